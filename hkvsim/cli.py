@@ -1,0 +1,289 @@
+"""``hkvsim``: plan, run and sweep P/D KV-transfer scenarios.
+
+Exit status: 0 when every scenario's [expect] is met, 1 when one is not, 2 on bad input (one
+clear error line, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_EXPECTATION, EXIT_INPUT = 0, 1, 2
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    from .connector.tp import TPError
+    from .fabric import PlacementError, ProfileError
+    from .fabric.links import FabricError
+    from .geometry.specs import GeometryError
+    from .scenario import ScenarioError
+
+    return (ScenarioError, GeometryError, ProfileError, PlacementError, FabricError, TPError)
+
+
+def _load(path: str) -> list[Any]:
+    from .scenario import load_scenarios
+
+    return load_scenarios(path)
+
+
+def _emit_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=False, default=str)
+    sys.stdout.write("\n")
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _progress(items: Sequence[Any], label: str) -> Any:
+    """Iterate with a progress bar on a terminal (stderr), silently otherwise."""
+    if len(items) < 2 or not sys.stderr.isatty():
+        yield from items
+        return
+    from rich.progress import track
+
+    yield from track(items, description=label, console=None, transient=True)
+
+
+# ---- plan --------------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import plan_scenario
+
+    plans = [plan_scenario(s) for s in _progress(_load(args.file), "planning")]
+    if args.json:
+        _emit_json(plans[0] if len(plans) == 1 else plans)
+        return EXIT_OK
+    console = _console()
+    for plan in plans:
+        _print_plan(console, plan)
+    return EXIT_OK
+
+
+def _print_plan(console: Any, plan: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console.rule(f"[bold]{plan['scenario']}[/] ({plan['model']}, {plan['mode']}, "
+                 f"fabric {plan['fabric']})")
+    table = Table("", "prefill", "decode", title="resolved geometry (per rank)")
+    rows = [("TP", "tp"), ("instances", "instances"), ("kernel block (tokens)", "kernel_block_size"),
+            ("logical block (tokens)", "logical_block_size"),
+            ("physical blocks per logical", "physical_blocks_per_logical"),
+            ("logical blocks", "num_logical_blocks"), ("attention kernel page (B)",
+                                                       "attention_page_bytes"),
+            ("state page (B)", "state_page_bytes"), ("unified page (B)", "unified_page_bytes"),
+            ("KV bytes per token", "kv_bytes_per_token"),
+            ("state bytes per request", "state_bytes_per_request")]
+    for label, key in rows:
+        table.add_row(label, f"{plan['prefill'][key]:,}", f"{plan['decode'][key]:,}")
+    for role in ("prefill", "decode"):
+        regions = plan[role]["regions"]
+        mla = sum(r["is_mla"] for r in regions)
+        lens = sorted({r["block_len"] for r in regions})
+        table.add_row(f"regions ({role})" if role == "prefill" else "regions (decode)",
+                      *([f"{len(regions)} ({mla} MLA), block_len {lens}", ""] if role == "prefill"
+                        else ["", f"{len(regions)} ({mla} MLA), block_len {lens}"]))
+    console.print(table)
+    hs = plan["handshake"]
+    console.print("handshake: " + ("[green]ok[/]" if hs["ok"] else f"[red]refused[/]: {hs['error']}"))
+    reqs = plan["requests"]
+    if reqs:
+        t = Table("request", "prompt", "hit", "descriptors", "bytes", "transfers",
+                  "predicted transfer", title="planned requests")
+        for r in reqs[:20]:
+            pred = r.get("predicted_transfer_seconds")
+            t.add_row(str(r["index"]), f"{r['prompt_tokens']:,}", f"{r['prefix_hit_tokens']:,}",
+                      f"{r['descriptors']:,}", f"{r['bytes']:,}", str(r["transfers"]),
+                      f"{pred * 1e3:.3f} ms" if pred is not None else r.get("error", "-"))
+        if len(reqs) > 20:
+            t.caption = f"first 20 of {len(reqs)} requests"
+        console.print(t)
+
+
+# ---- run / sweep -------------------------------------------------------------------------------
+def _run_all(args: argparse.Namespace) -> list[Any]:
+    from .cluster import run_scenario
+
+    if args.backend != "sim":
+        raise SystemExit(f"hkvsim: error: backend {args.backend!r} is not available in this "
+                         f"build; allowed: sim")
+    scenarios = _load(args.file)
+    return [run_scenario(s, timing_only=args.timing_only)
+            for s in _progress(scenarios, "running")]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .results import result_json
+
+    results = _run_all(args)
+    data = [result_json(r, requests=args.requests) for r in results]
+    met = all(d["expectation_met"] for d in data)
+    if args.json:
+        _emit_json(data[0] if len(data) == 1 else {"scenarios": data, "expectation_met": met})
+    else:
+        console = _console()
+        for d in data:
+            _print_result(console, d)
+    return EXIT_OK if met else EXIT_EXPECTATION
+
+
+def _print_result(console: Any, d: dict[str, Any]) -> None:
+    req = d["requests"]
+    status = "[green]expectation met[/]" if d["expectation_met"] else "[red]EXPECTATION NOT MET[/]"
+    console.rule(f"[bold]{d['scenario']}[/]")
+    console.print(f"outcome [bold]{d['outcome']}[/] - {status}")
+    console.print(f"requests: {req['completed']}/{req['total']} completed, {req['failed']} failed, "
+                  f"{req['hung']} hung; byte-exact: {req['byte_exact']}; mismatched bytes: "
+                  f"{req['mismatched_bytes']:,}")
+    console.print(f"moved {req['bytes']:,} B in {req['descriptors']:,} descriptors over "
+                  f"{req['transfers']:,} transfers; leaks {d['leaks']}")
+    t = d["time"]
+    if t["transfer_seconds"]:
+        ts = t["transfer_seconds"]
+        console.print(f"transfer time p50 {ts['p50'] * 1e3:.3f} ms, p99 {ts['p99'] * 1e3:.3f} ms; "
+                      f"simulated {t['simulated_seconds']:.3f} s")
+    for line in d["handshake_errors"][:3]:
+        console.print(f"[red]handshake:[/] {line}")
+    for f in d["failures"][:3]:
+        console.print(f"[red]request {f['request']} failed[/] ({f['class']}): {f['reason']}")
+    for m in d["mismatches"][:5]:
+        console.print(f"[red]mismatch:[/] {m}")
+    for p in d["expectation_problems"]:
+        console.print(f"[red]expectation:[/] {p}")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .results import result_json, summary_row
+
+    results = _run_all(args)
+    met = all(not result_json(r)["expectation_problems"] for r in results)
+    if args.json:
+        _emit_json({"scenarios": [result_json(r) for r in results], "expectation_met": met})
+        return EXIT_OK if met else EXIT_EXPECTATION
+    rows = [summary_row(r) for r in results]
+    table = Table("scenario", "outcome", "expect", "requests", "mismatched B", "descriptors",
+                  "transfer p50", title=f"{len(rows)} scenario(s)")
+    for row in rows:
+        table.add_row(row["scenario"], row["outcome"],
+                      "[green]met[/]" if row["met"] else "[red]NOT MET[/]", row["requests"],
+                      f"{row['mismatched_bytes']:,}", f"{row['descriptors']:,}",
+                      f"{row['transfer_p50_ms']:.3f} ms")
+    _console().print(table)
+    return EXIT_OK if met else EXIT_EXPECTATION
+
+
+# ---- listings ----------------------------------------------------------------------------------
+def cmd_presets(args: argparse.Namespace) -> int:
+    from .geometry.layout import unify_pages
+    from .geometry.presets import preset, preset_names
+
+    data = []
+    for name in preset_names():
+        m = preset(name)
+        entry = {"preset": name, "architecture": m.architecture, "layers": m.num_layers,
+                 "attention_layers": len(m.attention_layers), "state_layers": len(m.state_layers),
+                 "kv_bytes_per_token": m.kv_bytes_per_token(1),
+                 "state_bytes_per_request": m.state_bytes_per_request(1), "ppl_by_tp": {}}
+        for tp in (1, 2, 4, 8):
+            kernel, logical = unify_pages(m, tp, m.attention.attention_backend.min_kernel_block)
+            entry["ppl_by_tp"][tp] = logical // kernel
+        data.append(entry)
+    if args.json:
+        _emit_json(data)
+        return EXIT_OK
+    from rich.table import Table
+
+    table = Table("preset", "architecture", "layers (attn/state)", "KV B/token (TP1)",
+                  "state B/request (TP1)", "ppl TP1/2/4/8")
+    for e in data:
+        table.add_row(e["preset"], e["architecture"],
+                      f"{e['layers']} ({e['attention_layers']}/{e['state_layers']})",
+                      f"{e['kv_bytes_per_token']:,}", f"{e['state_bytes_per_request']:,}",
+                      "/".join(str(v) for v in e["ppl_by_tp"].values()))
+    _console().print(table)
+    return EXIT_OK
+
+
+def cmd_quirks(args: argparse.Namespace) -> int:
+    from .connector.quirks import QUIRKS
+
+    if args.json:
+        _emit_json([{"name": q.name, "reproduces": q.reproduces, "symptom": q.symptom}
+                    for q in QUIRKS.values()])
+        return EXIT_OK
+    for q in QUIRKS.values():
+        print(f"{q.name}\n  reproduces: {q.reproduces}\n  symptom:    {q.symptom}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hkvsim",
+        description="Testbed for KV-cache and SSM-state transfer between prefill and decode "
+                    "engines (NIXL-connector semantics; dense, MLA and hybrid MLA+SSM models).",
+        epilog="Exit status: 0 = every scenario met its [expect], 1 = one did not, "
+               "2 = bad input.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log connector events")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("plan", help="resolve geometry, check the handshake and plan every "
+                                    "request's descriptors without moving data")
+    p.add_argument("file", help="scenario TOML file (a [sweep] plans every variant)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plan)
+
+    for name, func, text in (
+        ("run", cmd_run, "run a scenario on a backend and verify every byte"),
+        ("sweep", cmd_sweep, "run every variant of a scenario's [sweep] and tabulate them"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("file", help="scenario TOML file")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--backend", default="sim", choices=["sim"],
+                       help="transport backend (default: sim, the simulated fabric)")
+        p.add_argument("--timing-only", action="store_true",
+                       help="move no bytes and skip verification (as [workload] verify = false)")
+        if name == "run":
+            p.add_argument("--requests", action="store_true",
+                           help="include per-request details in --json output")
+        p.set_defaults(func=func, requests=False)
+
+    p = sub.add_parser("presets", help="list the model presets and their key numbers")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_presets)
+    p = sub.add_parser("quirks", help="list the named replays of known connector bugs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_quirks)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args))
+    except _input_errors() as exc:
+        if args.debug:
+            raise
+        print(f"hkvsim: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

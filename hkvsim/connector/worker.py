@@ -1,0 +1,438 @@
+"""Per-rank connector worker: registration, handshake, posting reads, polling, notifications.
+
+Sans-I/O: it never sleeps, starts threads or reads a clock; it calls the injected transport and
+is driven by the cluster (simulated) or a rank process (real NIXL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..geometry.layout import EngineLayout
+from ..transport.base import DONE, ERR, PROC, Memory, Transport, TransportError
+from .blocks import PairingError, expand_logical, pair_attention, pair_state_slots, to_sub_blocks
+from .descriptors import DescriptorList, local_descriptors, remote_descriptors, split_descriptors
+from .metadata import (
+    MetadataError,
+    RankMetadata,
+    compatibility_hash,
+    decode_handshake,
+    encode_handshake,
+    rank_metadata,
+)
+from .tp import SourcePlan, handshake_targets, source_plan
+from .validate import HandshakeError, PairSettings, validate_pair, validate_remote_ranks
+
+__all__ = ["ConnectorSettings", "ReadRequest", "ConnectorWorker", "RequestOutcome",
+           "parse_notification"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorSettings:
+    mode: str = "pull"
+    quirks: frozenset[str] = frozenset()
+    prefix_caching: bool = False
+    host_buffer: bool = False
+    enforce_handshake_compat: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadRequest:
+    """What one decode rank needs to pull one request (from the proxy's kv_transfer_params)."""
+
+    request_id: str  # decode's id
+    prefill_request_id: str
+    remote_engine: str
+    prefill_blocks: Mapping[int, np.ndarray]  # group id -> prefill logical ids (clipped)
+    decode_blocks: Mapping[int, np.ndarray]  # group id -> decode logical ids to fill (uncached)
+    decode_hit_blocks: int = 0  # logical blocks decode holds from its prefix cache
+
+
+@dataclass(kw_only=True)
+class RequestOutcome:
+    request_id: str
+    ok: bool
+    reason: str | None = None
+    failure_class: str | None = None
+    descriptors: int = 0
+    nbytes: int = 0
+    transfers: int = 0
+    telemetry: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _RemoteRank:
+    meta: RankMetadata
+    agent: str
+    bsr: int
+    plan: SourcePlan
+    remote_list: DescriptorList
+    remote_handle: int
+
+
+@dataclass(eq=False)
+class _InFlight:
+    request_id: str
+    handles: list[int]
+    outcome: RequestOutcome
+    post_process: list = field(default_factory=list)
+
+
+def parse_notification(message: bytes) -> tuple[str, int] | None:
+    """'{request_id}:{count}' -> (request_id, count); None for a malformed message."""
+    try:
+        text = message.decode()
+        rid, _, n = text.rpartition(":")
+        count = int(n)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not rid or count < 1:
+        return None
+    return rid, count
+
+
+class ConnectorWorker:
+    """One rank's connector state."""
+
+    def __init__(self, *, engine_id: str, role: str, tp_rank: int, layout: EngineLayout,
+                 transport: Transport, settings: ConnectorSettings, device_id: int = 0) -> None:
+        self.engine_id = engine_id
+        self.role = role
+        self.tp_rank = tp_rank
+        self.layout = layout
+        self.model = layout.model
+        self.transport = transport
+        self.settings = settings
+        self.device_id = device_id
+        self.memory: Memory | None = None
+        self._meta: RankMetadata | None = None
+        self._local_lists: dict[int, tuple[DescriptorList, int]] = {}  # sub_blocks -> (list, handle)
+        self._split_lists: dict[tuple[int, int, int], tuple[DescriptorList, int]] = {}
+        self._remotes: dict[str, dict[int, _RemoteRank]] = {}
+        self._in_flight: dict[str, _InFlight] = {}
+        self._zombies: list[int] = []  # handles whose release failed (DMA may be live)
+        self.state_regions = [i for i, r in enumerate(layout.regions)
+                              if set(r.layers) & set(self.model.state_layers)]
+
+    # ---- registration --------------------------------------------------------------------
+    @property
+    def compat_hash(self) -> str:
+        return compatibility_hash(self.layout, mode=self.settings.mode)
+
+    def register(self, mem_type: str = "VRAM") -> Memory:
+        self.memory = self.transport.allocate(self.layout.total_bytes, mem_type=mem_type,
+                                              device_id=self.device_id)
+        self.transport.register_memory(self.memory)
+        self._meta = rank_metadata(
+            layout=self.layout, engine_id=self.engine_id, tp_rank=self.tp_rank,
+            agent_name=self.transport.name, agent_metadata=self.transport.get_agent_metadata(),
+            base_addr=self.memory.base_addr, mem_type=mem_type, device_id=self.device_id,
+            host_buffer=self.settings.host_buffer)
+        self._local_list(1)
+        return self.memory
+
+    @property
+    def metadata(self) -> RankMetadata:
+        if self._meta is None:
+            raise RuntimeError("register() first")
+        return self._meta
+
+    def handshake_payload(self) -> bytes:
+        return encode_handshake(self.metadata, self.compat_hash)
+
+    def _local_list(self, sub_blocks: int) -> tuple[DescriptorList, int]:
+        if sub_blocks not in self._local_lists:
+            dl = local_descriptors(self.metadata, self.state_regions, sub_blocks=sub_blocks)
+            self._local_lists[sub_blocks] = (dl, self.transport.prep_xfer_dlist("", dl.descs))
+        return self._local_lists[sub_blocks]
+
+    def _split_list(self, plan: SourcePlan, remote_rank: int, sub_blocks: int
+                    ) -> tuple[DescriptorList, int]:
+        key = (plan.tp_ratio, remote_rank, sub_blocks)
+        if key not in self._split_lists:
+            dl = split_descriptors(self.metadata, self.state_regions, plan, remote_rank,
+                                   sub_blocks=sub_blocks)
+            self._split_lists[key] = (dl, self.transport.prep_xfer_dlist("", dl.descs))
+        return self._split_lists[key]
+
+    # ---- handshake -----------------------------------------------------------------------
+    def is_connected(self, engine: str) -> bool:
+        return engine in self._remotes
+
+    def targets(self, remote_tp: int) -> tuple[int, ...]:
+        return handshake_targets(self.layout.tp, remote_tp, self.tp_rank)
+
+    def connect(self, remote_engine: str, payloads: Mapping[int, bytes]) -> None:
+        """Decode and validate the remote ranks' payloads and prepare the remote lists.
+
+        ``payloads`` maps remote rank -> handshake payload for every rank of the remote engine
+        (they are all needed for the cross-rank V7 check). Raises HandshakeError.
+        """
+        expected = None if not self.settings.enforce_handshake_compat else self.compat_hash
+        metas: dict[int, RankMetadata] = {}
+        for rank, payload in sorted(payloads.items()):
+            try:
+                metas[rank] = decode_handshake(payload, expected_hash=expected)
+            except MetadataError as exc:
+                rule = "hash" if "hash mismatch" in str(exc) else "V8"
+                raise HandshakeError(rule, f"{rule}: remote {remote_engine} rank {rank}: {exc}"
+                                     ) from None
+        validate_remote_ranks(list(metas.values()), expected_engine=remote_engine)
+        remote_tp = next(iter(metas.values())).tp_size
+        settings = PairSettings(
+            prefix_caching=self.settings.prefix_caching,
+            skip_hybrid_block_len_check="skip-hybrid-block-len-check" in self.settings.quirks,
+            allow_heterogeneous_ppl_with_prefix_cache="front-trim-with-prefix-cache"
+            in self.settings.quirks,
+        )
+        local_is_decode = self.role == "decode"
+        remotes: dict[int, _RemoteRank] = {}
+        try:
+            targets = self.targets(remote_tp)
+        except ValueError as exc:
+            raise HandshakeError("V1", str(exc)) from None
+        for rank in targets:
+            if rank not in metas:
+                raise HandshakeError("V7", f"remote {remote_engine} sent no metadata for rank {rank}")
+            meta = metas[rank]
+            bsr = validate_pair(model=self.model, local=self.metadata, remote=meta,
+                                local_is_decode=local_is_decode, settings=settings)
+            plan = source_plan(self.model, local_tp=self.layout.tp, remote_tp=remote_tp,
+                               tp_rank=self.tp_rank)
+            try:
+                agent = self.transport.add_remote_agent(meta.agent_metadata)
+            except TransportError as exc:
+                raise HandshakeError("V8", f"add_remote_agent failed: {exc}") from None
+            local_bsr = bsr if local_is_decode else 1
+            rl = remote_descriptors(meta, self.metadata, self.state_regions, plan, bsr=local_bsr)
+            handle = self.transport.prep_xfer_dlist(agent, rl.descs)
+            remotes[rank] = _RemoteRank(meta=meta, agent=agent, bsr=bsr, plan=plan,
+                                        remote_list=rl, remote_handle=handle)
+        self._remotes[remote_engine] = remotes
+
+    # ---- pull ----------------------------------------------------------------------------
+    def start_read(self, req: ReadRequest) -> RequestOutcome | None:
+        """Post one READ per source rank (and notification-only messages to the ranks it does
+        not read). Returns an immediate outcome on a setup failure, else None (poll for it)."""
+        outcome = RequestOutcome(request_id=req.request_id, ok=False)
+        try:
+            handles = self._post_reads(req, outcome)
+        except (TransportError, PairingError) as exc:
+            outcome.reason = str(exc)
+            outcome.failure_class = getattr(exc, "kind", "transfer_setup_failed")
+            return outcome
+        self._in_flight[req.request_id] = _InFlight(request_id=req.request_id, handles=handles,
+                                                    outcome=outcome)
+        if not handles:
+            return self._finish(req.request_id)
+        return None
+
+    def _post_reads(self, req: ReadRequest, outcome: RequestOutcome) -> list[int]:
+        remotes = self._remotes[req.remote_engine]
+        first = next(iter(remotes.values()))
+        bsr, plan = first.bsr, first.plan
+        ppl_d = self.layout.physical_blocks_per_logical
+        ppl_p = first.meta.physical_blocks_per_logical
+        quirks = self.settings.quirks
+        expansion_ppl = ppl_d if "local-ppl-remote-expansion" in quirks else ppl_p
+        attn_local: list[np.ndarray] = []
+        attn_remote: list[np.ndarray] = []
+        state_local: list[np.ndarray] = []
+        state_remote: list[np.ndarray] = []
+        for group in self.layout.groups:
+            d_ids = np.asarray(req.decode_blocks.get(group.group_id, ()), dtype=np.int64)
+            p_ids = np.asarray(req.prefill_blocks.get(group.group_id, ()), dtype=np.int64)
+            if group.kind == "attention":
+                d_kernel = expand_logical(d_ids, ppl_d)
+                if bsr > 1:
+                    d_kernel = to_sub_blocks(d_kernel, bsr)
+                pairing = pair_attention(
+                    decode_ids=d_kernel, prefill_ids=expand_logical(p_ids, expansion_ppl),
+                    decode_hit_units=req.decode_hit_blocks * ppl_d * bsr,
+                    heterogeneous_ppl=ppl_d * bsr != ppl_p,
+                    ppl_decode=ppl_d * bsr, ppl_prefill=ppl_p,
+                    front_trim_with_prefix="front-trim-with-prefix-cache" in quirks)
+                attn_local.append(pairing.local)
+                attn_remote.append(pairing.remote)
+            else:
+                d_slots, p_slots = pair_state_slots(d_ids, p_ids)
+                state_local.append(d_slots)
+                state_remote.append(p_slots)
+        la = np.concatenate(attn_local) if attn_local else np.zeros(0, np.int64)
+        ra = np.concatenate(attn_remote) if attn_remote else np.zeros(0, np.int64)
+        ls = np.concatenate(state_local) if state_local else np.zeros(0, np.int64)
+        rs = np.concatenate(state_remote) if state_remote else np.zeros(0, np.int64)
+        if "attention-only-transfer" in quirks:
+            ls, rs = ls[:0], rs[:0]
+        count = max(1, self.layout.tp // first.meta.tp_size)
+        handles: list[int] = []
+        for rank, remote in remotes.items():
+            reads_attention = rank in plan.attention_sources and la.size > 0
+            reads_state = rank in plan.state_sources and ls.size > 0
+            if not (reads_attention or reads_state):
+                # Never-read rank (pure-MLA broadcast, or nothing to move): notification only,
+                # with prefill's request id so prefill can free.
+                rid = req.request_id if "notify-with-decode-request-id" in quirks else (
+                    req.prefill_request_id)
+                self.transport.send_notif(remote.agent, f"{rid}:{count}".encode())
+                continue
+            if plan.use_split_handles:
+                local_list, local_handle = self._split_list(plan, rank, bsr)
+            else:
+                local_list, local_handle = self._local_list(bsr)
+            rl = remote.remote_list
+            empty = np.zeros(0, np.int64)
+            local_ids = np.concatenate([
+                local_list.attention_ids(la) if reads_attention else empty,
+                local_list.state_ids(ls) if reads_state else empty])
+            remote_ids = np.concatenate([
+                rl.attention_ids(ra) if reads_attention else empty,
+                rl.state_ids(rs) if reads_state else empty])
+            notif = f"{req.prefill_request_id}:{count}".encode()
+            handle = self.transport.make_prepped_xfer("READ", local_handle, local_ids,
+                                                      remote.remote_handle, remote_ids, notif)
+            handles.append(handle)
+            try:
+                self.transport.transfer(handle)
+            except TransportError:
+                self.transport.release_xfer_handle(handle)
+                handles.remove(handle)
+                for h in handles:
+                    self._release_quietly(h)
+                raise
+            outcome.descriptors += int(local_ids.size)
+            outcome.nbytes += int(local_list.descs[local_ids, 1].sum()) if local_ids.size else 0
+            outcome.transfers += 1
+        return handles
+
+    def _release_quietly(self, handle: int) -> bool:
+        """Release a handle; one that cannot be released yet is kept and retried on every poll
+        until it is terminal (DOMAIN.md §9.2: DMA may still be live)."""
+        try:
+            self.transport.release_xfer_handle(handle)
+            return True
+        except TransportError:
+            if handle not in self._zombies:
+                self._zombies.append(handle)
+            return False
+
+    def _reap_zombies(self) -> None:
+        for handle in list(self._zombies):
+            try:
+                state = self.transport.check_xfer_state(handle)
+            except TransportError:
+                state = ERR
+            if state != PROC:
+                self._zombies.remove(handle)
+                self._release_quietly(handle)
+
+    def poll(self) -> list[RequestOutcome]:
+        """Check every in-flight request; return those that reached a terminal state."""
+        finished: list[RequestOutcome] = []
+        self._reap_zombies()
+        for rid in list(self._in_flight):
+            flight = self._in_flight[rid]
+            states = []
+            for h in flight.handles:
+                try:
+                    states.append(self.transport.check_xfer_state(h))
+                except TransportError as exc:
+                    flight.outcome.reason = str(exc)
+                    flight.outcome.failure_class = "transfer_exception"
+                    states.append(ERR)
+            if any(s == ERR for s in states):
+                if flight.outcome.reason is None:
+                    errs = [getattr(self.transport, "xfer_error", lambda h: None)(h)
+                            for h, s in zip(flight.handles, states) if s == ERR]
+                    flight.outcome.reason = "; ".join(e for e in errs if e) or "transfer error"
+                    flight.outcome.failure_class = "transfer_failed"
+                finished.append(self._terminate(rid))
+            elif all(s == DONE for s in states):
+                finished.append(self._finish(rid))
+            elif any(s not in (DONE, PROC) for s in states):  # unknown state: treat as failed
+                flight.outcome.reason = f"unexpected transfer states {states}"
+                flight.outcome.failure_class = "transfer_failed"
+                finished.append(self._terminate(rid))
+        return finished
+
+    def _finish(self, rid: str) -> RequestOutcome:
+        flight = self._in_flight[rid]
+        flight.outcome.telemetry = [self.transport.get_xfer_telemetry(h) for h in flight.handles]
+        flight.outcome.ok = True
+        return self._terminate(rid)
+
+    def _terminate(self, rid: str) -> RequestOutcome:
+        flight = self._in_flight.pop(rid)
+        for h in flight.handles:
+            self._release_quietly(h)
+        return flight.outcome
+
+    def abort(self, rid: str, reason: str, failure_class: str) -> RequestOutcome | None:
+        if rid not in self._in_flight:
+            return None
+        flight = self._in_flight[rid]
+        flight.outcome.reason, flight.outcome.failure_class = reason, failure_class
+        return self._terminate(rid)
+
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # ---- notifications (prefill side) ----------------------------------------------------
+    def take_notifications(self) -> list[tuple[str, int]]:
+        """Parsed '{request_id}:{count}' notifications; malformed ones are dropped."""
+        out = []
+        for messages in self.transport.get_new_notifs().values():
+            for m in messages:
+                parsed = parse_notification(m)
+                if parsed is not None:
+                    out.append(parsed)
+        return out
+
+    # ---- post-processing -----------------------------------------------------------------
+    def regroup_heads(self, kernel_blocks: np.ndarray, bsr: int) -> None:
+        """After a bsr > 1 pull into HND blocks: bsr P blocks of [H, 2, t_P, d] become one
+        [H, 2, bsr*t_P, d] (DOMAIN.md §6). MLA and NHD blocks are already token-contiguous."""
+        if bsr == 1 or self.model.attention.is_mla or self.layout.kv_cache_layout != "HND":
+            return
+        assert self.memory is not None
+        attn = self.model.attention
+        heads = attn.heads_per_rank(self.layout.tp)
+        row = attn.bytes_per_token(self.layout.tp) // (2 * heads)  # bytes of one head's row
+        t_p = self.layout.kernel_block_size // bsr
+        meta = self.metadata
+        blocks = np.asarray(kernel_blocks, dtype=np.int64)
+        for base, stride, length in zip(meta.base_addrs, meta.block_strides, meta.block_lens):
+            off = base - self.memory.base_addr
+            starts = off + blocks * stride
+            idx = starts[:, None] + np.arange(length, dtype=np.int64)[None, :]
+            data = self.memory.array[idx].reshape(blocks.size, bsr, heads, 2, t_p, row)
+            self.memory.array[idx] = data.transpose(0, 2, 3, 1, 4, 5).reshape(blocks.size, length)
+
+    def zero_sub_blocks(self, sub_block_ids: np.ndarray, bsr: int) -> None:
+        """Zero decode sub-blocks that received nothing (the untransferred tail, #49612)."""
+        ids = np.asarray(sub_block_ids, dtype=np.int64)
+        if ids.size == 0:
+            return
+        assert self.memory is not None
+        dl, _ = self._local_list(bsr)
+        descs = dl.descs[dl.attention_ids(ids)]
+        for addr, length in zip(descs[:, 0].tolist(), descs[:, 1].tolist()):
+            off = int(addr) - self.memory.base_addr
+            self.memory.array[off:off + int(length)] = 0
+
+    def remote_info(self, engine: str) -> Sequence[_RemoteRank]:
+        return list(self._remotes.get(engine, {}).values())
+
+    def shutdown(self) -> None:
+        for remotes in self._remotes.values():
+            for r in remotes.values():
+                self.transport.release_dlist_handle(r.remote_handle)
+                self.transport.remove_remote_agent(r.agent)
+        for _, handle in list(self._local_lists.values()) + list(self._split_lists.values()):
+            self.transport.release_dlist_handle(handle)
+        self._remotes.clear()
+        if self.memory is not None:
+            self.transport.deregister_memory(self.memory)

@@ -1,0 +1,415 @@
+"""Links and flows: the time a transfer takes on a shared fabric (no bytes move here).
+
+Model of one ``Fabric.transfer``:
+
+1. **Post.** Posting is serialised per initiator endpoint (a ``simpy.Resource`` of capacity 1
+   per endpoint, i.e. one CPU thread posting for that rank); it takes
+   ``transfer_launch + descriptors * per_descriptor``.
+2. **Wire.** The bytes then move as ONE flow over the path:
+
+   * same endpoint      -> ``[<ep>.hbm]``                (``local_bandwidth``)
+   * same node          -> ``[<src>.nvl.tx, <dst>.nvl.rx]`` (``intra_node_bandwidth`` each)
+   * different nodes    -> ``[<src>.nic.tx, <dst>.nic.rx]`` (``inter_node_bandwidth`` each)
+
+   Concurrent flows share links **max-min fairly**, computed by progressive filling: repeatedly
+   take the link with the smallest fair share (remaining capacity / unfrozen flows on it; ties
+   to the link seen first, flows in start order), freeze its flows at that share and remove the
+   share from every link they cross. Rates are recomputed whenever a flow starts or ends, after
+   the remaining bytes of every active flow have been advanced at the old rates.
+3. **Latency.** ``done = wire_end + path latency`` (0 for a same-endpoint copy,
+   ``intra_node_latency`` within a node, ``inter_node_latency`` across nodes).
+
+Event budget: O(1) simpy events per flow, whatever its descriptor count or size. The fabric
+keeps a single completion timer for all flows; every start or end of a flow replaces it (the old
+timer is disarmed by a generation counter and fires as a no-op). So each flow costs a constant
+number of events: its process, its posting request/release, one post timeout, at most two
+completion timers, a wire-done event and a latency timeout.
+
+Determinism: no randomness; simultaneous events run in simpy's insertion order and all
+iteration is over insertion-ordered dicts.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Generator, Hashable, Mapping
+from dataclasses import dataclass
+from itertools import count
+from typing import Any, Final
+
+import simpy
+
+from hkvsim.fabric.profile import FabricProfile
+from hkvsim.fabric.topology import Endpoint
+
+__all__ = ["FabricError", "TransferTiming", "LinkSegment", "Fabric"]
+
+# A flow is complete once fewer than this fraction of its bytes remain (float round-off only).
+_DONE_REL: Final[float] = 1e-9
+# Flows whose finish time is within this relative distance of the earliest one end together.
+_TIE_REL: Final[float] = 1e-12
+
+
+class FabricError(ValueError):
+    """A transfer, notification or handshake the fabric cannot route or accept."""
+
+
+@dataclass(frozen=True)
+class TransferTiming:
+    """When each phase of one transfer happened, in simulated seconds.
+
+    ``post_start - submitted`` is the wait for the initiator's posting thread; ``post_end -
+    post_start`` the posting cost; ``wire_end - wire_start`` the (shared) wire time; ``done -
+    wire_end`` the path latency.
+    """
+
+    submitted: float
+    post_start: float
+    post_end: float
+    wire_start: float
+    wire_end: float
+    done: float
+    nbytes: int
+    descriptors: int
+    path: tuple[str, ...]
+
+    @property
+    def post_wait(self) -> float:
+        return self.post_start - self.submitted
+
+    @property
+    def post_time(self) -> float:
+        return self.post_end - self.post_start
+
+    @property
+    def wire_time(self) -> float:
+        return self.wire_end - self.wire_start
+
+    @property
+    def total(self) -> float:
+        return self.done - self.submitted
+
+
+@dataclass(frozen=True)
+class LinkSegment:
+    """A stretch of time during which ``link`` carried ``rate`` bytes/s over ``flows`` flows."""
+
+    link: str
+    t_start: float
+    t_end: float
+    rate: float
+    capacity: float
+    flows: int
+
+    @property
+    def utilisation(self) -> float:
+        return self.rate / self.capacity
+
+    @property
+    def nbytes(self) -> float:
+        return self.rate * (self.t_end - self.t_start)
+
+
+class _Link:
+    """One direction of one port: its capacity, the flows on it and its open log segment."""
+
+    __slots__ = ("name", "capacity", "flows", "seg_start", "seg_rate", "seg_flows")
+
+    def __init__(self, name: str, capacity: float) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.flows: dict[int, _Flow] = {}
+        self.seg_start = 0.0
+        self.seg_rate = 0.0
+        self.seg_flows = 0
+
+
+class _Flow:
+    """One transfer's bytes in flight."""
+
+    __slots__ = ("fid", "links", "nbytes", "remaining", "rate", "wire_done")
+
+    def __init__(
+        self, fid: int, links: tuple[_Link, ...], nbytes: int, wire_done: simpy.Event
+    ) -> None:
+        self.fid = fid
+        self.links = links
+        self.nbytes = nbytes
+        self.remaining = float(nbytes)
+        self.rate = 0.0
+        self.wire_done = wire_done
+
+
+def _count(name: str, value: Any) -> int:
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise FabricError(f"{name} = {value!r}: expected an integer >= 0") from None
+    if n < 0:
+        raise FabricError(f"{name} = {value!r}: expected an integer >= 0")
+    return n
+
+
+class Fabric:
+    """Simulated links between placed endpoints, on one simpy environment.
+
+    ``placement`` maps any hashable key (typically ``(engine_id, rank)``) to its
+    :class:`Endpoint`; every ``initiator``/``src``/``dst`` passed later must be one of its keys.
+    ``link_log`` collects closed :class:`LinkSegment` records (per link, piecewise-constant
+    aggregate rate) for utilisation plots; :meth:`link_segments` adds the still-open ones.
+    """
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        profile: FabricProfile,
+        placement: Mapping[Hashable, Endpoint],
+    ) -> None:
+        self.env = env
+        self.profile = profile
+        self._placement: dict[Hashable, Endpoint] = dict(placement)
+        for key, ep in self._placement.items():
+            if not isinstance(ep, Endpoint):
+                raise FabricError(f"placement[{key!r}] = {ep!r}: expected an Endpoint")
+            if not 0 <= ep.gpu < profile.gpus_per_node:
+                raise FabricError(
+                    f"placement[{key!r}] = {ep}: gpu index must be in 0..{profile.gpus_per_node - 1}"
+                )
+        self._links: dict[str, _Link] = {}
+        self._flows: dict[int, _Flow] = {}
+        self._posting: dict[Endpoint, simpy.Resource] = {}
+        self._fids = count()
+        self._last_update = env.now
+        self._timer_gen = 0
+        self._due: frozenset[int] = frozenset()
+        self.link_log: list[LinkSegment] = []
+
+    # ----------------------------------------------------------------- routing
+
+    def endpoint(self, key: Hashable) -> Endpoint:
+        """The endpoint of a placement key (FabricError if unknown)."""
+        try:
+            return self._placement[key]
+        except KeyError:
+            raise FabricError(
+                f"{key!r} is not placed on this fabric; known keys: "
+                f"{', '.join(repr(k) for k in self._placement) or '(none)'}"
+            ) from None
+
+    def _route(self, src: Hashable, dst: Hashable) -> tuple[tuple[_Link, ...], float]:
+        a, b = self.endpoint(src), self.endpoint(dst)
+        p = self.profile
+        if a == b:
+            return (self._link(f"{a}.hbm", p.local_bandwidth),), 0.0
+        if a.node == b.node:
+            bw, lat, port = p.intra_node_bandwidth, p.intra_node_latency, "nvl"
+        else:
+            bw, lat, port = p.inter_node_bandwidth, p.inter_node_latency, "nic"
+        return (self._link(f"{a}.{port}.tx", bw), self._link(f"{b}.{port}.rx", bw)), lat
+
+    def _link(self, name: str, capacity: float) -> _Link:
+        link = self._links.get(name)
+        if link is None:
+            link = self._links[name] = _Link(name, capacity)
+        return link
+
+    def path(self, src: Hashable, dst: Hashable) -> tuple[str, ...]:
+        """Names of the links a ``src -> dst`` flow crosses."""
+        return tuple(link.name for link in self._route(src, dst)[0])
+
+    def path_latency(self, src: Hashable, dst: Hashable) -> float:
+        """One-way latency of the ``src -> dst`` path, in seconds."""
+        return self._route(src, dst)[1]
+
+    def link_capacity(self, name: str) -> float:
+        """Capacity in bytes/s of a link that some flow has used."""
+        return self._links[name].capacity
+
+    # ------------------------------------------------------------- public API
+
+    def transfer(
+        self,
+        *,
+        initiator: Hashable,
+        src: Hashable,
+        dst: Hashable,
+        nbytes: int,
+        descriptors: int,
+    ) -> simpy.Event:
+        """Post and move ``nbytes`` from ``src`` to ``dst``; the initiator's CPU posts it.
+
+        Returns an event that succeeds with a :class:`TransferTiming` once the data has fully
+        arrived at ``dst``. ``nbytes == 0`` costs the post and the path latency only.
+        """
+        n = _count("nbytes", nbytes)
+        d = _count("descriptors", descriptors)
+        if n > 0 and d == 0:
+            raise FabricError(f"nbytes = {n} with descriptors = 0: bytes need a descriptor")
+        poster = self.endpoint(initiator)
+        links, latency = self._route(src, dst)
+        return self.env.process(self._transfer(poster, links, latency, n, d))
+
+    def notify(self, src: Hashable, dst: Hashable) -> simpy.Event:
+        """An event that succeeds when a notification sent now from ``src`` reaches ``dst``
+        (path latency + ``notification_latency``). Its value is the arrival time."""
+        delay = self.path_latency(src, dst) + self.profile.notification_latency
+        return self.env.timeout(delay, value=self.env.now + delay)
+
+    def handshake(self, src: Hashable, dst: Hashable) -> simpy.Event:
+        """An event that succeeds when a handshake started now between ``src`` and ``dst``
+        completes (``handshake_latency`` + path latency). Its value is the completion time."""
+        delay = self.profile.handshake_latency + self.path_latency(src, dst)
+        return self.env.timeout(delay, value=self.env.now + delay)
+
+    @property
+    def active_flows(self) -> int:
+        """Number of flows currently on the wire."""
+        return len(self._flows)
+
+    def link_segments(self) -> list[LinkSegment]:
+        """``link_log`` plus the segments still open at ``env.now`` (truncated there)."""
+        now = self.env.now
+        open_ = [
+            LinkSegment(l.name, l.seg_start, now, l.seg_rate, l.capacity, l.seg_flows)
+            for l in self._links.values()
+            if l.seg_rate > 0 and now > l.seg_start
+        ]
+        return [*self.link_log, *open_]
+
+    # ------------------------------------------------------------- internals
+
+    def _poster(self, ep: Endpoint) -> simpy.Resource:
+        res = self._posting.get(ep)
+        if res is None:
+            res = self._posting[ep] = simpy.Resource(self.env, capacity=1)
+        return res
+
+    def _transfer(
+        self,
+        poster: Endpoint,
+        links: tuple[_Link, ...],
+        latency: float,
+        nbytes: int,
+        descriptors: int,
+    ) -> Generator[simpy.Event, Any, TransferTiming]:
+        env = self.env
+        submitted = env.now
+        with self._poster(poster).request() as req:
+            yield req
+            post_start = env.now
+            yield env.timeout(self.profile.post_time(descriptors))
+            post_end = env.now
+        wire_start = env.now
+        if nbytes > 0:
+            wire_done = env.event()
+            self._start_flow(_Flow(next(self._fids), links, nbytes, wire_done))
+            yield wire_done
+        wire_end = env.now
+        yield env.timeout(latency)
+        return TransferTiming(
+            submitted=submitted,
+            post_start=post_start,
+            post_end=post_end,
+            wire_start=wire_start,
+            wire_end=wire_end,
+            done=env.now,
+            nbytes=nbytes,
+            descriptors=descriptors,
+            path=tuple(link.name for link in links),
+        )
+
+    def _start_flow(self, flow: _Flow) -> None:
+        self._advance()
+        self._flows[flow.fid] = flow
+        for link in flow.links:
+            link.flows[flow.fid] = flow
+        self._reallocate()
+
+    def _advance(self) -> None:
+        """Move every active flow's remaining bytes forward to ``env.now`` at current rates."""
+        now = self.env.now
+        dt = now - self._last_update
+        if dt > 0:
+            for flow in self._flows.values():
+                flow.remaining -= flow.rate * dt
+        self._last_update = now
+
+    def _reallocate(self) -> None:
+        """Max-min fair rates by progressive filling, then log rates and re-arm the timer."""
+        cap: dict[_Link, float] = {}
+        unfrozen: dict[_Link, int] = {}
+        for flow in self._flows.values():
+            for link in flow.links:
+                cap.setdefault(link, link.capacity)
+                unfrozen[link] = unfrozen.get(link, 0) + 1
+        frozen: set[int] = set()
+        while unfrozen:
+            best: _Link | None = None
+            best_share = math.inf
+            for link, n in unfrozen.items():
+                share = cap[link] / n
+                if share < best_share:
+                    best, best_share = link, share
+            assert best is not None
+            for flow in best.flows.values():
+                if flow.fid in frozen:
+                    continue
+                frozen.add(flow.fid)
+                flow.rate = best_share
+                for link in flow.links:
+                    cap[link] -= best_share
+                    unfrozen[link] -= 1
+                    if unfrozen[link] == 0:
+                        del unfrozen[link]
+        self._log_rates()
+        self._arm_timer()
+
+    def _log_rates(self) -> None:
+        now = self.env.now
+        for link in self._links.values():
+            if not link.flows and link.seg_rate == 0:
+                continue
+            rate = sum(f.rate for f in link.flows.values())
+            nflows = len(link.flows)
+            if rate == link.seg_rate and nflows == link.seg_flows:
+                continue
+            if link.seg_rate > 0 and now > link.seg_start:
+                self.link_log.append(
+                    LinkSegment(
+                        link.name, link.seg_start, now, link.seg_rate, link.capacity, link.seg_flows
+                    )
+                )
+            link.seg_start, link.seg_rate, link.seg_flows = now, rate, nflows
+
+    def _arm_timer(self) -> None:
+        """Replace the single completion timer with one for the earliest finishing flow(s)."""
+        self._timer_gen += 1
+        if not self._flows:
+            self._due = frozenset()
+            return
+        finish = {fid: max(f.remaining, 0.0) / f.rate for fid, f in self._flows.items()}
+        first = min(finish.values())
+        self._due = frozenset(fid for fid, t in finish.items() if t <= first * (1 + _TIE_REL))
+        gen = self._timer_gen
+        timer = self.env.timeout(first)
+        timer.callbacks.append(lambda _ev: self._on_timer(gen))
+
+    def _on_timer(self, gen: int) -> None:
+        if gen != self._timer_gen:
+            return  # disarmed: a flow started or ended since this timer was set
+        self._advance()
+        done = [
+            f
+            for fid, f in self._flows.items()
+            if fid in self._due or f.remaining <= _DONE_REL * f.nbytes
+        ]
+        for flow in done:
+            del self._flows[flow.fid]
+            for link in flow.links:
+                del link.flows[flow.fid]
+            flow.remaining = 0.0
+            flow.rate = 0.0
+        self._reallocate()
+        for flow in done:
+            flow.wire_done.succeed()

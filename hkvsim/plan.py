@@ -1,0 +1,53 @@
+"""``hkvsim plan``: the resolved deployment, its handshake verdict and the per-request transfer
+plan, without moving a byte (the connector runs on the simulated fabric in timing-only mode)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cluster import Cluster
+from .scenario import Scenario
+
+__all__ = ["plan_scenario"]
+
+
+def plan_scenario(scenario: Scenario) -> dict[str, Any]:
+    cluster = Cluster(scenario, timing_only=True)
+    result = cluster.run()
+    sides: dict[str, Any] = {}
+    for role, engines in cluster.engines.items():
+        layout = engines[0].layout
+        summary = layout.summary()
+        summary["model"] = layout.model.name
+        summary["instances"] = len(engines)
+        summary["regions"] = [
+            {k: r[k] for k in ("is_mla", "block_len", "stride", "num_blocks", "group_id",
+                               "layers")}
+            for r in summary["regions"]]
+        sides[role] = summary
+    requests = []
+    for r in result.records:
+        entry: dict[str, Any] = {
+            "index": r.index, "prompt_tokens": r.prompt_tokens,
+            "prefix_hit_tokens": r.prefix_hit_tokens, "descriptors": r.descriptors,
+            "bytes": r.nbytes, "transfers": r.transfers, "status": r.status,
+        }
+        if "transfer_done" in r.times:
+            entry["predicted_transfer_seconds"] = r.times["transfer_done"] - r.times[
+                "transfer_start"]
+        if r.reason:
+            entry["error"] = r.reason
+        requests.append(entry)
+    return {
+        "scenario": scenario.scenario.name,
+        "source": scenario.source,
+        "sweep_point": scenario.sweep_point,
+        "model": cluster.model.name,
+        "mode": scenario.connector.mode,
+        "fabric": cluster.profile.name,
+        "prefill": sides["prefill"],
+        "decode": sides["decode"],
+        "handshake": {"ok": not result.handshake_errors,
+                      "error": result.handshake_errors[0] if result.handshake_errors else None},
+        "requests": requests,
+    }

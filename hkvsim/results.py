@@ -1,0 +1,134 @@
+"""Run results as JSON (the machine-readable contract of DESIGN.md) and expectation checks."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from .cluster import RunResult
+
+__all__ = ["expectation_problems", "result_json", "summary_row"]
+
+
+def expectation_problems(result: RunResult) -> list[str]:
+    """Why the scenario's [expect] is not met; empty when it is."""
+    expect = result.scenario.expect
+    problems: list[str] = []
+    outcome = result.outcome
+    if outcome == "corruption" and not expect.byte_exact:
+        outcome = "ok" if not result.failed else "request-failure"
+    if result.hung:
+        problems.append(f"{result.hung} request(s) never reached a terminal state")
+    if outcome != expect.outcome and not (outcome == "hang" and problems):
+        problems.append(f"outcome is {outcome!r}, expected {expect.outcome!r}"
+                        + _outcome_detail(result))
+    if expect.byte_exact and result.corrupted:
+        problems.append(f"{result.corrupted} request(s) reported successful with wrong bytes")
+    if expect.error_match is not None:
+        pattern = re.compile(expect.error_match)
+        messages = result.handshake_errors if expect.outcome == "handshake-error" else [
+            f"{r.failure_class}: {r.reason}" for r in result.records if r.status == "failed"]
+        if not messages:
+            problems.append(f"no error to match /{expect.error_match}/")
+        else:
+            unmatched = [m for m in messages if not pattern.search(m)]
+            if unmatched:
+                problems.append(f"error does not match /{expect.error_match}/: {unmatched[0]}")
+    if expect.failed_requests is not None and result.failed != expect.failed_requests:
+        problems.append(f"{result.failed} failed request(s), expected {expect.failed_requests}")
+    if expect.reason is not None:
+        wrong = [r for r in result.records if r.status == "failed"
+                 and expect.reason not in (r.failure_class or "")]
+        if wrong:
+            problems.append(f"request {wrong[0].index} failed with {wrong[0].failure_class!r}, "
+                            f"expected {expect.reason!r}")
+    if expect.outcome != "ok":
+        leaks = {k: v for k, v in result.leaks.items() if v}
+        if leaks:
+            problems.append(f"leaks after the run: {leaks}")
+    return problems
+
+
+def _outcome_detail(result: RunResult) -> str:
+    if result.handshake_errors:
+        return f": {result.handshake_errors[0]}"
+    failed = [r for r in result.records if r.status == "failed"]
+    if failed:
+        return f": request {failed[0].index} {failed[0].failure_class}: {failed[0].reason}"
+    bad = [r for r in result.records if r.mismatches]
+    if bad:
+        return f": request {bad[0].index}: {bad[0].mismatches[0]}"
+    expired = [r for r in result.records if r.freed_by_lease]
+    if expired:
+        return (f": prefill freed request {expired[0].index} by lease expiry, not by the expected "
+                f"notifications")
+    leaks = {k: v for k, v in result.leaks.items() if v}
+    return f": leaks {leaks}" if leaks else ""
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    arr = np.asarray(values)
+    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
+            "p99": float(np.percentile(arr, 99)), "max": float(arr.max())}
+
+
+def result_json(result: RunResult, *, requests: bool = False) -> dict[str, Any]:
+    problems = expectation_problems(result)
+    recs = result.records
+    transfer = [r.times["transfer_done"] - r.times["transfer_start"] for r in recs
+                if "transfer_done" in r.times and r.status == "ok"]
+    out: dict[str, Any] = {
+        "scenario": result.scenario.scenario.name,
+        "source": result.scenario.source,
+        "sweep_point": result.scenario.sweep_point,
+        "outcome": result.outcome,
+        "expectation_met": not problems,
+        "expectation_problems": problems,
+        "requests": {
+            "total": len(recs),
+            "completed": result.completed,
+            "failed": result.failed,
+            "hung": result.hung,
+            "byte_exact": sum(r.status == "ok" and r.mismatched_words == 0 for r in recs)
+            if result.scenario.workload.verify else None,
+            "mismatched_bytes": result.mismatched_bytes,
+            "freed_by_lease": sum(r.freed_by_lease for r in recs),
+            "descriptors": sum(r.descriptors for r in recs),
+            "bytes": sum(r.nbytes for r in recs),
+            "transfers": sum(r.transfers for r in recs),
+        },
+        "leaks": dict(result.leaks),
+        "handshake_errors": list(result.handshake_errors),
+        "failures": [{"request": r.index, "class": r.failure_class, "reason": r.reason}
+                     for r in recs if r.status == "failed"],
+        "mismatches": [m for r in recs for m in r.mismatches][:16],
+        "counters": dict(result.counters),
+        "time": {
+            "simulated_seconds": result.sim_seconds,
+            "transfer_seconds": _stats(transfer),
+            "handshake_seconds": _stats([r.times["handshake"] for r in recs
+                                         if "handshake" in r.times]),
+            "post_seconds": _stats([r.times["post"] for r in recs if "post" in r.times]),
+            "wire_seconds": _stats([r.times["wire"] for r in recs if "wire" in r.times]),
+        },
+    }
+    if requests:
+        out["request_details"] = [r.as_dict() for r in recs]
+    return out
+
+
+def summary_row(result: RunResult) -> dict[str, Any]:
+    data = result_json(result)
+    return {
+        "scenario": data["scenario"],
+        "outcome": data["outcome"],
+        "met": data["expectation_met"],
+        "requests": f"{data['requests']['completed']}/{data['requests']['total']}",
+        "mismatched_bytes": data["requests"]["mismatched_bytes"],
+        "descriptors": data["requests"]["descriptors"],
+        "transfer_p50_ms": 1e3 * data["time"]["transfer_seconds"].get("p50", 0.0),
+    }

@@ -1,0 +1,112 @@
+"""The NIXL-shaped transport surface the connector core talks to.
+
+``SimTransport`` (simulated fabric) and ``NixlTransport`` (real NIXL agents) implement it. The
+connector only ever sees this protocol: register memory, exchange agent metadata, prepare
+descriptor lists, post READ/WRITE with a notification, poll, release, notifications, telemetry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["DONE", "PROC", "ERR", "TransportError", "Memory", "XferTelemetry", "Transport",
+           "check_descriptor_array"]
+
+DONE, PROC, ERR = "DONE", "PROC", "ERR"
+OPS = ("READ", "WRITE")
+
+
+class TransportError(RuntimeError):
+    """A transport call failed. ``kind`` classifies it for the failure path."""
+
+    def __init__(self, message: str, *, kind: str = "transfer_setup_failed") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, eq=False)
+class Memory:
+    """A cache allocation: its base address as the transport sees it, and a uint8 view of it."""
+
+    base_addr: int
+    array: np.ndarray  # uint8, length = nbytes
+    mem_type: str  # "VRAM" or "DRAM"
+    device_id: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.shape[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class XferTelemetry:
+    nbytes: int
+    descriptors: int
+    post_seconds: float  # time to post (launch + per-descriptor cost)
+    transfer_seconds: float  # post end to data complete
+    submitted: float
+    completed: float | None
+    path: tuple[str, ...] = ()
+
+
+def check_descriptor_array(descs: np.ndarray, *, what: str = "descriptor list") -> np.ndarray:
+    """Validate an (N, 3) (addr, len, device) array before it reaches a transport.
+
+    NIXL returns None on malformed input (DOMAIN.md §11.4 hazard 3); we refuse it loudly.
+    """
+    arr = np.asarray(descs)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise TransportError(f"{what} must be an (N, 3) array of (addr, len, device); got shape "
+                             f"{arr.shape}")
+    if arr.dtype.kind not in "ui":
+        raise TransportError(f"{what} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
+        raise TransportError(f"{what} holds a negative address, length or device")
+    return arr.astype(np.uint64, copy=False)
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """One agent per rank, shaped like ``nixl_agent``."""
+
+    name: str
+
+    def allocate(self, nbytes: int, *, mem_type: str = "VRAM", device_id: int = 0) -> Memory: ...
+
+    def register_memory(self, memory: Memory) -> None: ...
+
+    def deregister_memory(self, memory: Memory) -> None: ...
+
+    def get_agent_metadata(self) -> bytes: ...
+
+    def add_remote_agent(self, metadata: bytes) -> str: ...
+
+    def remove_remote_agent(self, name: str) -> None: ...
+
+    def prep_xfer_dlist(self, agent: str, descs: np.ndarray) -> int:
+        """``agent`` = "" for a local list, else the remote agent's name."""
+        ...
+
+    def release_dlist_handle(self, handle: int) -> None: ...
+
+    def make_prepped_xfer(self, op: str, local_dlist: int, local_ids: np.ndarray, remote_dlist: int,
+                          remote_ids: np.ndarray, notif: bytes = b"") -> int: ...
+
+    def transfer(self, handle: int) -> str: ...
+
+    def check_xfer_state(self, handle: int) -> str: ...
+
+    def release_xfer_handle(self, handle: int) -> None: ...
+
+    def send_notif(self, agent: str, message: bytes) -> None: ...
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+
+    def get_xfer_telemetry(self, handle: int) -> XferTelemetry: ...
+
+    def open_handles(self) -> int:
+        """Transfer handles posted or created and not yet released (leak accounting)."""
+        ...

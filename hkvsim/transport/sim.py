@@ -1,0 +1,320 @@
+"""SimTransport: the Transport protocol over the simulated (simpy) fabric.
+
+Memory holds real bytes (lazily committed), so transfers are byte-exact or visibly not. One
+posted transfer is one fabric flow (O(1) simulated events), however many descriptors it has.
+Hazards of real NIXL are mirrored as loud errors: posting a released handle, re-posting an active
+one, mismatched descriptor lengths, addresses outside registered memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
+
+import msgpack
+import numpy as np
+import simpy
+
+from .base import DONE, ERR, OPS, PROC, Memory, TransportError, XferTelemetry, check_descriptor_array
+from .memory import copy_ranges, lazy_buffer
+
+__all__ = ["SimWorld", "SimTransport"]
+
+_ADDRESS_SPACE = 1 << 44  # each agent's memory lives in its own synthetic 16 TiB window
+
+
+@dataclass(eq=False)
+class _Xfer:
+    op: str
+    local: "_DList"
+    local_ids: np.ndarray
+    remote: "_DList"
+    remote_ids: np.ndarray
+    notif: bytes
+    state: str = "NEW"
+    released: bool = False
+    nbytes: int = 0
+    submitted: float = 0.0
+    timing: Any = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _DList:
+    agent: str
+    descs: np.ndarray
+    released: bool = False
+
+
+@dataclass(eq=False)
+class _Agent:
+    name: str
+    endpoint: Hashable
+    memories: list[Memory] = field(default_factory=list)
+    inbox: dict[str, list[bytes]] = field(default_factory=dict)
+    alive: bool = True
+
+
+class SimWorld:
+    """The shared simulated world: simpy environment, fabric, agents and their memory."""
+
+    def __init__(self, env: simpy.Environment, fabric: Any, *, move_bytes: bool = True) -> None:
+        self.env = env
+        self.fabric = fabric
+        self.move_bytes = move_bytes
+        self._agents: dict[str, _Agent] = {}
+        self._next_window = count(1)
+        self._listeners: dict[str, list[Callable[[], None]]] = {}
+        self.bytes_moved = 0
+
+    def create_agent(self, name: str, endpoint: Hashable) -> "SimTransport":
+        if name in self._agents:
+            raise TransportError(f"agent {name!r} already exists")
+        self._agents[name] = _Agent(name=name, endpoint=endpoint)
+        return SimTransport(self, name)
+
+    def agent(self, name: str) -> _Agent:
+        try:
+            return self._agents[name]
+        except KeyError:
+            raise TransportError(f"unknown agent {name!r}", kind="remote_disconnect") from None
+
+    def on_activity(self, agent: str, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever a transfer of, or a notification to, ``agent`` completes."""
+        self._listeners.setdefault(agent, []).append(callback)
+
+    def _wake(self, agent: str) -> None:
+        for callback in self._listeners.get(agent, ()):
+            callback()
+
+    def _deliver(self, src: str, dst: str, message: bytes) -> None:
+        target = self._agents.get(dst)
+        if target is None or not target.alive:
+            return
+        target.inbox.setdefault(src, []).append(message)
+        self._wake(dst)
+
+    def _new_window(self) -> int:
+        return next(self._next_window) * _ADDRESS_SPACE
+
+
+def _resolve(memories: list[Memory], addr: np.ndarray, length: np.ndarray, who: str
+             ) -> tuple[Memory, np.ndarray]:
+    """Map absolute addresses to offsets in one registered memory; all must fall inside it."""
+    if addr.size == 0:
+        return (memories[0] if memories else None), addr  # type: ignore[return-value]
+    for mem in memories:
+        lo = addr.min()
+        if mem.base_addr <= lo and (addr + length).max() <= mem.base_addr + mem.nbytes:
+            return mem, (addr - mem.base_addr).astype(np.int64)
+    bad = int(addr[0])
+    raise TransportError(
+        f"{who}: descriptors outside registered memory (first address {bad:#x}, "
+        f"{addr.size} descriptors); NIXL would answer NOT_FOUND", kind="transfer_setup_failed")
+
+
+class SimTransport:
+    """One rank's agent on the simulated fabric."""
+
+    def __init__(self, world: SimWorld, name: str) -> None:
+        self.world = world
+        self.name = name
+        self._dlists: dict[int, _DList] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._ids = count(1)
+        self._remotes: set[str] = set()
+
+    # ---- memory --------------------------------------------------------------------------
+    def allocate(self, nbytes: int, *, mem_type: str = "VRAM", device_id: int = 0) -> Memory:
+        array = lazy_buffer(nbytes) if self.world.move_bytes else np.zeros(0, np.uint8)
+        return Memory(base_addr=self.world._new_window(), array=array, mem_type=mem_type,
+                      device_id=device_id)
+
+    def register_memory(self, memory: Memory) -> None:
+        agent = self.world.agent(self.name)
+        if memory not in agent.memories:
+            agent.memories.append(memory)
+
+    def deregister_memory(self, memory: Memory) -> None:
+        agent = self.world.agent(self.name)
+        if memory not in agent.memories:
+            raise TransportError(f"{self.name}: deregistering memory that is not registered")
+        agent.memories.remove(memory)
+
+    # ---- peers ---------------------------------------------------------------------------
+    def get_agent_metadata(self) -> bytes:
+        agent = self.world.agent(self.name)
+        return msgpack.packb({"name": self.name,
+                              "memory": [[m.base_addr, m.nbytes] for m in agent.memories]})
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        try:
+            name = msgpack.unpackb(metadata, raw=False)["name"]
+        except Exception as exc:
+            raise TransportError(f"{self.name}: bad agent metadata: {exc}",
+                                 kind="handshake_failed") from None
+        self.world.agent(name)
+        self._remotes.add(name)
+        return name
+
+    def remove_remote_agent(self, name: str) -> None:
+        self._remotes.discard(name)
+
+    # ---- descriptor lists ----------------------------------------------------------------
+    def prep_xfer_dlist(self, agent: str, descs: np.ndarray) -> int:
+        arr = check_descriptor_array(descs, what=f"{self.name}: prep_xfer_dlist")
+        owner = agent or self.name
+        if agent and agent not in self._remotes:
+            raise TransportError(f"{self.name}: prep_xfer_dlist for unknown remote agent {agent!r} "
+                                 f"(add_remote_agent first)")
+        handle = next(self._ids)
+        self._dlists[handle] = _DList(agent=owner, descs=arr)
+        return handle
+
+    def release_dlist_handle(self, handle: int) -> None:
+        dl = self._dlists.get(handle)
+        if dl is not None:
+            dl.released = True
+
+    def _dlist(self, handle: int, side: str) -> _DList:
+        dl = self._dlists.get(handle)
+        if dl is None or dl.released:
+            raise TransportError(f"{self.name}: {side} descriptor list {handle} is released or "
+                                 f"unknown")
+        return dl
+
+    # ---- transfers -----------------------------------------------------------------------
+    def make_prepped_xfer(self, op: str, local_dlist: int, local_ids: np.ndarray, remote_dlist: int,
+                          remote_ids: np.ndarray, notif: bytes = b"") -> int:
+        if op not in OPS:
+            raise TransportError(f"{self.name}: unknown op {op!r}; allowed: {', '.join(OPS)}")
+        local, remote = self._dlist(local_dlist, "local"), self._dlist(remote_dlist, "remote")
+        if local.agent != self.name:
+            raise TransportError(f"{self.name}: invalid sides (local list belongs to {local.agent})")
+        li = np.asarray(local_ids, dtype=np.int64)
+        ri = np.asarray(remote_ids, dtype=np.int64)
+        if li.shape != ri.shape or li.ndim != 1:
+            raise TransportError(f"{self.name}: local and remote id lists differ in length "
+                                 f"({li.size} vs {ri.size})")
+        for ids, dl, side in ((li, local, "local"), (ri, remote, "remote")):
+            if ids.size and (ids.min() < 0 or ids.max() >= dl.descs.shape[0]):
+                raise TransportError(
+                    f"{self.name}: {side} descriptor id out of range: ids span "
+                    f"[{ids.min()}, {ids.max()}], list has {dl.descs.shape[0]} descriptors")
+        ll, rl = local.descs[li, 1], remote.descs[ri, 1]
+        if not np.array_equal(ll, rl):
+            i = int(np.flatnonzero(ll != rl)[0])
+            raise TransportError(f"{self.name}: descriptor pair {i} has local length {int(ll[i])} "
+                                 f"but remote length {int(rl[i])}")
+        handle = next(self._ids)
+        self._xfers[handle] = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
+                                    notif=bytes(notif), nbytes=int(ll.sum()))
+        return handle
+
+    def _xfer(self, handle: int) -> _Xfer:
+        x = self._xfers.get(handle)
+        if x is None:
+            raise TransportError(f"{self.name}: unknown transfer handle {handle}")
+        if x.released:
+            # Real NIXL segfaults here (DOMAIN.md §11.4 hazard 1); refuse instead.
+            raise TransportError(f"{self.name}: transfer handle {handle} was released")
+        return x
+
+    def transfer(self, handle: int) -> str:
+        x = self._xfer(handle)
+        if x.state == PROC:
+            raise TransportError(f"{self.name}: transfer handle {handle} is still active")
+        remote_agent = self.world.agent(x.remote.agent)
+        if not remote_agent.alive:
+            raise TransportError(f"{self.name}: remote agent {x.remote.agent} disconnected",
+                                 kind="remote_disconnect")
+        x.state, x.submitted, x.timing, x.error = PROC, self.world.env.now, None, None
+        me = self.world.agent(self.name)
+        src, dst = (remote_agent, me) if x.op == "READ" else (me, remote_agent)
+        event = self.world.fabric.transfer(initiator=me.endpoint, src=src.endpoint,
+                                           dst=dst.endpoint, nbytes=x.nbytes,
+                                           descriptors=int(x.local_ids.size))
+        event.callbacks.append(lambda ev, x=x: self._complete(x, ev.value))
+        return PROC
+
+    def _complete(self, x: _Xfer, timing: Any) -> None:
+        x.timing = timing
+        if x.released:
+            return
+        me, remote = self.world.agent(self.name), self.world.agent(x.remote.agent)
+        if not remote.alive:
+            x.state, x.error = ERR, f"remote agent {remote.name} disconnected"
+        else:
+            try:
+                if self.world.move_bytes:
+                    self._move(x, me, remote)
+                x.state = DONE
+            except TransportError as exc:
+                x.state, x.error = ERR, str(exc)
+        if x.state == DONE and x.notif:
+            msg = x.notif
+            note = self.world.fabric.notify(me.endpoint, remote.endpoint)
+            note.callbacks.append(lambda ev: self.world._deliver(self.name, remote.name, msg))
+        self.world._wake(self.name)
+
+    def _move(self, x: _Xfer, me: _Agent, remote: _Agent) -> None:
+        ld, rd = x.local.descs[x.local_ids], x.remote.descs[x.remote_ids]
+        lengths = ld[:, 1].astype(np.int64)
+        lmem, loff = _resolve(me.memories, ld[:, 0].astype(np.int64), lengths, self.name)
+        rmem, roff = _resolve(remote.memories, rd[:, 0].astype(np.int64), lengths, remote.name)
+        if lengths.size == 0:
+            return
+        if x.op == "READ":
+            moved = copy_ranges(lmem.array, loff, rmem.array, roff, lengths)
+        else:
+            moved = copy_ranges(rmem.array, roff, lmem.array, loff, lengths)
+        self.world.bytes_moved += moved
+
+    def check_xfer_state(self, handle: int) -> str:
+        x = self._xfer(handle)
+        return x.state if x.state != "NEW" else PROC
+
+    def xfer_error(self, handle: int) -> str | None:
+        return self._xfers[handle].error
+
+    def release_xfer_handle(self, handle: int) -> None:
+        x = self._xfers.get(handle)
+        if x is None or x.released:
+            return
+        if x.state == PROC:
+            raise TransportError(f"{self.name}: cannot release transfer {handle} while it is "
+                                 f"active (DMA may be live)")
+        x.released = True
+
+    def open_handles(self) -> int:
+        return sum(1 for x in self._xfers.values() if not x.released)
+
+    # ---- notifications -------------------------------------------------------------------
+    def send_notif(self, agent: str, message: bytes) -> None:
+        target = self.world.agent(agent)
+        if not target.alive:
+            raise TransportError(f"{self.name}: remote agent {agent} disconnected",
+                                 kind="remote_disconnect")
+        me = self.world.agent(self.name)
+        msg = bytes(message)
+        note = self.world.fabric.notify(me.endpoint, target.endpoint)
+        note.callbacks.append(lambda ev: self.world._deliver(self.name, agent, msg))
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        agent = self.world.agent(self.name)
+        inbox, agent.inbox = agent.inbox, {}
+        return inbox
+
+    def get_xfer_telemetry(self, handle: int) -> XferTelemetry:
+        x = self._xfers[handle]
+        t = x.timing
+        if t is None:
+            return XferTelemetry(nbytes=x.nbytes, descriptors=int(x.local_ids.size),
+                                 post_seconds=0.0, transfer_seconds=0.0, submitted=x.submitted,
+                                 completed=None)
+        return XferTelemetry(nbytes=x.nbytes, descriptors=int(x.local_ids.size),
+                             post_seconds=t.post_end - t.post_start,
+                             transfer_seconds=t.done - t.post_end, submitted=t.submitted,
+                             completed=t.done, path=tuple(t.path))
