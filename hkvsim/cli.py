@@ -42,7 +42,8 @@ def _emit_json(data: Any) -> None:
 def _console() -> Any:
     from rich.console import Console
 
-    return Console(highlight=False)
+    # a pipe or a CI log gets a wide, stable layout instead of rich's 80-column default
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 def _progress(items: Sequence[Any], label: str) -> Any:
@@ -172,10 +173,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         _emit_json({"scenarios": [result_json(r) for r in results], "expectation_met": met})
         return EXIT_OK if met else EXIT_EXPECTATION
     rows = [summary_row(r) for r in results]
-    table = Table("scenario", "outcome", "expect", "requests", "mismatched B", "descriptors",
-                  "transfer p50", title=f"{len(rows)} scenario(s)")
-    for row in rows:
-        table.add_row(row["scenario"], row["outcome"],
+    title = results[0].scenario.scenario.name.split(" [")[0] if results else ""
+    table = Table("variant", "outcome", "expect", "requests", "mismatched B", "descriptors",
+                  "transfer p50", title=f"{title}: {len(rows)} variant(s)")
+    for row, result in zip(rows, results):
+        point = result.scenario.sweep_point
+        label = ", ".join(f"{k}={v}" for k, v in point.items()) if point else row["scenario"]
+        table.add_row(label, row["outcome"],
                       "[green]met[/]" if row["met"] else "[red]NOT MET[/]", row["requests"],
                       f"{row['mismatched_bytes']:,}", f"{row['descriptors']:,}",
                       f"{row['transfer_p50_ms']:.3f} ms")

@@ -20,10 +20,17 @@ import numpy as np
 import simpy
 
 from .connector.blocks import expand_logical, to_sub_blocks
+from .connector.push import PUSH_PREFIX, PushRegistration, WriteRequest, base_request_id
 from .connector.quirks import check_quirks
 from .connector.tp import TPError
 from .connector.validate import HandshakeError
-from .connector.worker import ConnectorSettings, ConnectorWorker, ReadRequest, RequestOutcome
+from .connector.worker import (
+    ConnectorSettings,
+    ConnectorWorker,
+    ReadRequest,
+    RequestOutcome,
+    parse_notification,
+)
 from .fabric import Fabric, load_profile, place_engines
 from .geometry.layout import EngineLayout, build_layout
 from .geometry.presets import preset
@@ -90,6 +97,23 @@ def engine_layout(model: ModelSpec, section: Any, *, num_blocks: int,
                         kv_cache_layout=section.kv_cache_layout,
                         registration_order=registration_order,
                         first_registration_wins="first-registration-mla-flag" in quirks)
+
+
+@dataclass(kw_only=True)
+class DecodeJob:
+    """Decode's side of one request: its blocks, what it loads, and its prefix hit."""
+
+    blocks: dict[int, np.ndarray]  # group id -> every logical block of the request
+    load: dict[int, np.ndarray]  # group id -> the uncached blocks the connector fills
+    hit_blocks: int
+    load_tokens: int  # N - 1: decode computes token N itself
+
+
+@dataclass(kw_only=True)
+class _PushWait:
+    done: simpy.Event  # succeeds with None (complete) or (failure class, reason)
+    decode: "Engine"
+    counts: dict[int, int]
 
 
 @dataclass(kw_only=True)
@@ -218,12 +242,20 @@ class Cluster:
         self.world = SimWorld(self.env, self.fabric, move_bytes=self.verify)
         self.records: list[RequestRecord] = []
         self.handshake_errors: list[str] = []
-        self.counters = {"lease_expiries": 0, "late_notifications": 0, "notifications": 0}
+        self.counters = {"lease_expiries": 0, "late_notifications": 0, "notifications": 0,
+                         "malformed_registrations": 0}
         self._pending_notifs: dict[tuple[str, str], dict[int, int]] = {}
         self._prefill_held: dict[tuple[str, str], tuple[Engine, dict[int, np.ndarray],
                                                         RequestRecord]] = {}
         self._decode_waiters: dict[str, tuple[simpy.Event, dict[int, RequestOutcome], int]] = {}
         self._leases: dict[tuple[str, str], simpy.Process] = {}
+        # push mode
+        self._published: dict[tuple[str, str], tuple[str, dict[int, np.ndarray],
+                                                     RequestRecord]] = {}
+        self._deferred: dict[tuple[str, str], list[tuple[int, PushRegistration]]] = {}
+        self._write_outcomes: dict[tuple[str, str], dict[int, RequestOutcome]] = {}
+        self._registration_ids: dict[tuple[str, str], str] = {}
+        self._push_waiters: dict[str, _PushWait] = {}
         for role in ("prefill", "decode"):
             section = getattr(scenario, role)
             settings = ConnectorSettings(mode=conn.mode, quirks=self.quirks,
@@ -254,9 +286,13 @@ class Cluster:
         share = -(-min(live, len(self.prompts)) // instances)
         return max(1, share * per_request)
 
-    def transfer_tokens(self, prompt: int) -> int:
-        """Tokens prefill computes and transfers: N-1 for models with state (§6), else N."""
+    def prefill_tokens(self, prompt: int) -> int:
+        """Tokens prefill computes: N-1 for models with state (§6), else N."""
         return prompt - 1 if self.hybrid else prompt
+
+    def _suffix(self) -> str:
+        """A random request-id suffix (the proxy gives P and D different ones), seeded."""
+        return f"{int(self.rng.integers(1 << 32)):08x}"
 
     # ---- run -------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -268,7 +304,8 @@ class Cluster:
             arrivals = np.zeros(len(self.prompts))
         slots = simpy.Resource(self.env, capacity=wl.max_inflight or len(self.prompts))
         for i, (n, hit) in enumerate(zip(self.prompts.tolist(), self.hits.tolist())):
-            rec = RequestRecord(index=i, request_id=f"req-{i}", prompt_tokens=int(n),
+            rec = RequestRecord(index=i, request_id=f"req-{i}-{self._suffix()}",
+                                prompt_tokens=int(n),
                                 prefix_hit_tokens=int(hit), arrival=float(arrivals[i]))
             self.records.append(rec)
             self.env.process(self._request(rec, slots))
@@ -321,46 +358,85 @@ class Cluster:
         decode = self.engines["decode"][rec.index % len(self.engines["decode"])]
         rec.prefill_engine, rec.decode_engine = prefill.engine_id, decode.engine_id
         rec.times["start"] = env.now
-        n_tokens = self.transfer_tokens(rec.prompt_tokens)
-        p_layout, d_layout = prefill.layout, decode.layout
-        # ---- prefill: allocate, compute (write the pattern), finish under a lease
-        p_blocks = yield from self._allocate(prefill, p_layout.blocks_for_tokens(n_tokens))
-        p_rid = f"{rec.request_id}-p"
+        p_rid, p_blocks = yield from self._prefill(rec, prefill)
+        job = yield from self._decode_allocate(rec, decode)
+        if self.scenario.connector.mode == "push":
+            ok = yield from self._push(rec, prefill, decode, p_rid, p_blocks, job)
+        else:
+            ok = yield from self._pull(rec, prefill, decode, p_rid, p_blocks, job)
+        if ok:
+            self._post_process(prefill, decode, job)
+            self._verify_and_compute(rec, decode, job)
+            rec.status = "ok"
+            rec.times["done"] = env.now
+        self._free(decode, job.blocks)
+
+    def _prefill(self, rec: RequestRecord, prefill: Engine
+                 ) -> Generator[Any, Any, tuple[str, dict[int, np.ndarray]]]:
+        """Allocate, compute (write the pattern) and finish under a lease. Models with state
+        compute N-1 tokens (DOMAIN.md §6); the others all N."""
+        n_tokens = self.prefill_tokens(rec.prompt_tokens)
+        layout = prefill.layout
+        p_blocks = yield from self._allocate(prefill, layout.blocks_for_tokens(n_tokens))
+        p_rid = f"{base_request_id(rec.request_id)}-{self._suffix()}"
         if prefill.oracle is not None:
             for w in prefill.workers:
                 assert w.memory is not None
-                prefill.oracle.write(w.memory.array, p_layout, w.tp_rank, rec.index, blocks=p_blocks,
-                                  tokens=(0, n_tokens),
-                                  state_step=n_tokens if self.hybrid else None)
+                prefill.oracle.write(w.memory.array, layout, w.tp_rank, rec.index,
+                                     blocks=p_blocks, tokens=(0, n_tokens),
+                                     state_step=n_tokens if layout.is_hybrid else None)
         key = (prefill.engine_id, p_rid)
         self._prefill_held[key] = (prefill, p_blocks, rec)
         self._pending_notifs[key] = {}
-        self._leases[key] = env.process(self._lease(key, rec))
-        rec.times["prefill_done"] = env.now
-        # ---- decode: allocate (full prompt), prefix hit, handshake, pull
-        d_blocks = yield from self._allocate(decode, d_layout.blocks_for_tokens(rec.prompt_tokens))
-        hit_blocks = min(rec.prefix_hit_tokens // d_layout.logical_block_size,
-                         d_layout.blocks_for_tokens(n_tokens))
-        hit_tokens = hit_blocks * d_layout.logical_block_size
+        self._leases[key] = self.env.process(self._lease(key, rec))
+        rec.times["prefill_done"] = self.env.now
+        if self.scenario.connector.mode == "push":
+            self._publish(prefill, p_rid, p_blocks, rec)
+        return p_rid, p_blocks
+
+    def _decode_allocate(self, rec: RequestRecord, decode: Engine
+                         ) -> Generator[Any, Any, "DecodeJob"]:
+        """Allocate decode's blocks for the whole prompt and apply its prefix-cache hit.
+
+        Decode loads tokens [hit, N-1) and computes token N itself (§6): its load list is the
+        uncached blocks up to N-1 tokens, a hit of whole logical blocks. A hit that covers all
+        N-1 tokens is a full hit; for models with state the cached prefix includes the state
+        checkpoint at its end, so nothing is transferred (notification only).
+        """
+        layout = decode.layout
+        blocks = yield from self._allocate(decode, layout.blocks_for_tokens(rec.prompt_tokens))
+        load_tokens = rec.prompt_tokens - 1
+        hit_blocks = min(rec.prefix_hit_tokens, load_tokens) // layout.logical_block_size
+        hit_tokens = hit_blocks * layout.logical_block_size
+        full_hit = hit_tokens >= load_tokens
         if decode.oracle is not None and hit_blocks:
             for w in decode.workers:
                 assert w.memory is not None
-                decode.oracle.write(w.memory.array, d_layout, w.tp_rank, rec.index, blocks=d_blocks,
-                                  tokens=(0, hit_tokens), state_step=None)
+                decode.oracle.write(w.memory.array, layout, w.tp_rank, rec.index, blocks=blocks,
+                                    tokens=(0, hit_tokens),
+                                    state_step=hit_tokens if full_hit and layout.is_hybrid
+                                    else None)
+        load: dict[int, np.ndarray] = {}
+        for group in layout.groups:
+            ids = blocks[group.group_id]
+            if group.kind == "attention":
+                ids = ids[hit_blocks:layout.blocks_for_tokens(load_tokens)]
+            elif full_hit:
+                ids = ids[:0]
+            load[group.group_id] = ids
+        return DecodeJob(blocks=blocks, load=load, hit_blocks=hit_blocks,
+                         load_tokens=load_tokens)
+
+    def _pull(self, rec: RequestRecord, prefill: Engine, decode: Engine, p_rid: str,
+              p_blocks: dict[int, np.ndarray], job: "DecodeJob") -> Generator[Any, Any, bool]:
+        env = self.env
         error = yield from self._connect(decode, prefill, rec)
         if error is not None:
             self._fail(rec, "handshake_failed", error)
-            self._free(decode, d_blocks)
-            return
-        transfer_blocks = {}
-        for group in d_layout.groups:
-            ids = d_blocks[group.group_id]
-            if group.kind == "attention":
-                ids = ids[hit_blocks:d_layout.blocks_for_tokens(n_tokens)]
-            transfer_blocks[group.group_id] = ids
+            return False
         read = ReadRequest(request_id=rec.request_id, prefill_request_id=p_rid,
                            remote_engine=prefill.engine_id, prefill_blocks=p_blocks,
-                           decode_blocks=transfer_blocks, decode_hit_blocks=hit_blocks)
+                           decode_blocks=job.load, decode_hit_blocks=job.hit_blocks)
         rec.times["transfer_start"] = env.now
         done = env.event()
         outcomes: dict[int, RequestOutcome] = {}
@@ -371,59 +447,173 @@ class Cluster:
                 self._collect(rec.request_id, w.tp_rank, immediate)
         yield done
         rec.times["transfer_done"] = env.now
+        self._account(rec, outcomes.values())
         failures = [o for o in outcomes.values() if not o.ok]
-        for o in outcomes.values():
+        if failures:
+            self._fail(rec, failures[0].failure_class or "transfer_failed",
+                       failures[0].reason or "transfer failed")
+            return False
+        return True
+
+    def _push(self, rec: RequestRecord, prefill: Engine, decode: Engine, p_rid: str,
+              p_blocks: dict[int, np.ndarray], job: "DecodeJob") -> Generator[Any, Any, bool]:
+        """Push (DOMAIN.md §8.2): decode registers its blocks with every prefill rank; prefill
+        matches the registration to its finished request (either order), runs the reverse
+        handshake and WRITEs; decode counts max(1, P_TP // D_TP) notifications per rank."""
+        env = self.env
+        first = decode.workers[0]
+        event = decode.connections.get(f"notify:{prefill.engine_id}")
+        if event is None:  # decode's notification-only handshake: agents, no descriptors
+            event = env.event()
+            decode.connections[f"notify:{prefill.engine_id}"] = event
+            yield simpy.AllOf(env, [self.fabric.handshake((decode.engine_id, 0),
+                                                          (prefill.engine_id, t.tp_rank))
+                                    for t in prefill.workers])
+            for w in prefill.workers:
+                first.transport.add_remote_agent(w.transport.get_agent_metadata())
+            event.succeed(None)
+        elif not event.triggered:
+            yield event
+        registration = PushRegistration(
+            decode_request_id=rec.request_id, decode_engine=decode.engine_id,
+            decode_tp=decode.tp, prefill_engine=prefill.engine_id, blocks=job.load,
+            hit_blocks=job.hit_blocks)
+        rec.times["transfer_start"] = env.now
+        done = env.event()
+        self._push_waiters[rec.request_id] = _PushWait(done=done, decode=decode, counts={})
+        message = registration.encode()
+        for w in prefill.workers:
+            first.transport.send_notif(w.transport.name, message)
+        timeout = env.timeout(self.scenario.connector.transfer_timeout_seconds)
+        yield done | timeout
+        self._push_waiters.pop(rec.request_id, None)
+        rec.times["transfer_done"] = env.now
+        if not done.triggered:
+            self._fail(rec, "stall", f"push: no WRITE completed within "
+                       f"{self.scenario.connector.transfer_timeout_seconds} s (decode watchdog)")
+            return False
+        if done.value is not None:
+            self._fail(rec, *done.value)
+            return False
+        return True
+
+    def _publish(self, prefill: Engine, p_rid: str, p_blocks: dict[int, np.ndarray],
+                 rec: RequestRecord) -> None:
+        """Push: prefill publishes a finished request; a registration that arrived first waits
+        in the deferred inbox."""
+        key = (prefill.engine_id, base_request_id(p_rid))
+        self._published[key] = (p_rid, p_blocks, rec)
+        for rank, registration in self._deferred.pop(key, []):
+            self.env.process(self._write(prefill, rank, registration, p_rid, p_blocks, rec))
+
+    def _on_registration(self, prefill: Engine, rank: int, registration: "PushRegistration"
+                         ) -> None:
+        """Match by exact request id, then by base id with the random suffix stripped."""
+        key = (prefill.engine_id, base_request_id(registration.decode_request_id))
+        published = self._published.get((prefill.engine_id, registration.decode_request_id),
+                                         self._published.get(key))
+        if published is None:
+            self._deferred.setdefault(key, []).append((rank, registration))
+            return
+        p_rid, p_blocks, rec = published
+        self.env.process(self._write(prefill, rank, registration, p_rid, p_blocks, rec))
+
+    def _write(self, prefill: Engine, rank: int, registration: "PushRegistration", p_rid: str,
+               p_blocks: dict[int, np.ndarray], rec: RequestRecord) -> Generator:
+        decode = next(e for e in self.engines["decode"]
+                      if e.engine_id == registration.decode_engine)
+        error = yield from self._connect(prefill, decode, rec)
+        key = (prefill.engine_id, p_rid)
+        if error is not None:
+            self._push_result(registration.decode_request_id, ("handshake_failed", error))
+            return
+        worker = prefill.workers[rank]
+        self._registration_ids[key] = registration.decode_request_id
+        outcome = worker.start_write(WriteRequest(prefill_request_id=p_rid,
+                                                  registration=registration,
+                                                  prefill_blocks=p_blocks))
+        self._write_outcomes.setdefault(key, {})
+        if outcome is not None:
+            self._collect_write(prefill, rank, outcome)
+
+    def _collect_write(self, prefill: Engine, rank: int, outcome: RequestOutcome) -> None:
+        """Prefill is done with a request when every rank's WRITEs are DONE (or one failed)."""
+        key = (prefill.engine_id, outcome.request_id)
+        outcomes = self._write_outcomes.setdefault(key, {})
+        outcomes[rank] = outcome
+        published = self._published.get((prefill.engine_id, base_request_id(outcome.request_id)))
+        if published is not None:
+            self._account(published[2], [outcome])
+        failed = [o for o in outcomes.values() if not o.ok]
+        reg_id = self._registration_ids.get(key)
+        if failed and reg_id is not None:
+            self._push_result(reg_id, (failed[0].failure_class or "transfer_failed",
+                                       failed[0].reason or "WRITE failed"))
+        if len(outcomes) < prefill.tp:
+            return
+        del self._write_outcomes[key]
+        self._published.pop((prefill.engine_id, base_request_id(outcome.request_id)), None)
+        self._registration_ids.pop(key, None)
+        if not failed:  # every WRITE is DONE: free without waiting for the lease
+            self._release_prefill(prefill, outcome.request_id)
+
+    def _push_result(self, decode_request_id: str, failure: tuple[str, str] | None) -> None:
+        wait = self._push_waiters.get(decode_request_id)
+        if wait is not None and not wait.done.triggered:
+            wait.done.succeed(failure)
+
+    @staticmethod
+    def _account(rec: RequestRecord, outcomes: Any) -> None:
+        for o in outcomes:
             rec.descriptors += o.descriptors
             rec.nbytes += o.nbytes
             rec.transfers += o.transfers
             for t in o.telemetry:
                 rec.times["post"] = max(rec.times.get("post", 0.0), t.post_seconds)
                 rec.times["wire"] = max(rec.times.get("wire", 0.0), t.transfer_seconds)
-        if failures:
-            self._fail(rec, failures[0].failure_class or "transfer_failed",
-                       failures[0].reason or "transfer failed")
-            self._free(decode, d_blocks)
-            return
-        self._post_process(decode, read, d_blocks, n_tokens, hit_blocks)
-        if decode.oracle is not None:
-            for w in decode.workers:
-                assert w.memory is not None
-                words, found = decode.oracle.verify(
-                    w.memory.array, d_layout, w.tp_rank, rec.index, engine=decode.engine_id,
-                    blocks=d_blocks, tokens=(0, n_tokens),
-                    state_step=n_tokens if self.hybrid else None)
-                rec.mismatched_words += words
-                rec.mismatches.extend(str(m) for m in found[: 8 - len(rec.mismatches)])
-            # decode computes token N locally (its KV and the state after N tokens)
-            for w in decode.workers:
-                assert w.memory is not None
-                decode.oracle.write(w.memory.array, d_layout, w.tp_rank, rec.index,
-                                    blocks=d_blocks, tokens=(n_tokens, rec.prompt_tokens),
-                                  state_step=rec.prompt_tokens if self.hybrid else None)
-        rec.status = "ok"
-        rec.times["done"] = env.now
-        self._free(decode, d_blocks)
 
-    def _post_process(self, decode: Engine, read: ReadRequest, d_blocks: dict[int, np.ndarray],
-                      n_tokens: int, hit_blocks: int) -> None:
+    def _verify_and_compute(self, rec: RequestRecord, decode: Engine, job: "DecodeJob") -> None:
+        """Check every loaded byte against the oracle, then compute token N locally (its KV and
+        the state after N tokens)."""
+        if decode.oracle is None:
+            return
+        layout = decode.layout
+        hybrid = layout.is_hybrid
+        for w in decode.workers:
+            assert w.memory is not None
+            words, found = decode.oracle.verify(
+                w.memory.array, layout, w.tp_rank, rec.index, engine=decode.engine_id,
+                blocks=job.blocks, tokens=(0, job.load_tokens),
+                state_step=job.load_tokens if hybrid else None)
+            rec.mismatched_words += words
+            rec.mismatches.extend(str(m) for m in found[: max(0, 8 - len(rec.mismatches))])
+        for w in decode.workers:
+            assert w.memory is not None
+            decode.oracle.write(w.memory.array, layout, w.tp_rank, rec.index, blocks=job.blocks,
+                                tokens=(job.load_tokens, rec.prompt_tokens),
+                                state_step=rec.prompt_tokens if hybrid else None)
+
+    def _post_process(self, prefill: Engine, decode: Engine, job: "DecodeJob") -> None:
         """Block-size-ratio post-processing on every decode rank: zero the untransferred
         sub-block tail, then regroup heads (DOMAIN.md §6)."""
         layout = decode.layout
-        first = decode.workers[0].remote_info(read.remote_engine)
-        if not first or first[0].bsr == 1 or not self.verify:
+        bsr = layout.kernel_block_size // prefill.layout.kernel_block_size
+        if bsr == 1 or not self.verify:
             return
-        bsr = first[0].bsr
         ppl = layout.physical_blocks_per_logical
-        p_kernel = layout.kernel_block_size // bsr
+        p_kernel = prefill.layout.kernel_block_size
         for group in layout.attention_groups:
-            ids = read.decode_blocks[group.group_id]
-            kernel = expand_logical(ids, ppl)
+            kernel = expand_logical(job.load[group.group_id], ppl)
             subs = to_sub_blocks(kernel, bsr)
-            first_sub = hit_blocks * ppl * bsr
-            received = max(0, -(-n_tokens // p_kernel) - first_sub)
+            first_sub = job.hit_blocks * ppl * bsr
+            received = max(0, min(subs.size, -(-self.prefill_tokens_for(prefill, job) // p_kernel)
+                                  - first_sub))
             for w in decode.workers:
                 w.zero_sub_blocks(subs[received:], bsr)
                 w.regroup_heads(kernel, bsr)
+
+    def prefill_tokens_for(self, prefill: Engine, job: "DecodeJob") -> int:
+        return job.load_tokens + (0 if prefill.layout.is_hybrid else 1)
 
     def _lease(self, key: tuple[str, str], rec: RequestRecord) -> Generator:
         try:
@@ -443,26 +633,31 @@ class Cluster:
         self._pending_notifs.pop(key, None)
         self._free(engine, blocks)
 
-    def _connect(self, decode: Engine, prefill: Engine, rec: RequestRecord
+    def _connect(self, local: Engine, remote: Engine, rec: RequestRecord
                  ) -> Generator[Any, Any, str | None]:
-        """Lazy handshake on first use of a pair; concurrent requests wait for the same one."""
-        event = decode.connections.get(prefill.engine_id)
+        """Lazy handshake of ``local``'s ranks with ``remote`` on first use of the pair
+        (decode with prefill in pull; prefill's reverse handshake with decode in push);
+        concurrent requests wait for the same one. Returns the refusal, or None."""
+        event = local.connections.get(remote.engine_id)
         if event is None:
             event = self.env.event()
-            decode.connections[prefill.engine_id] = event
+            local.connections[remote.engine_id] = event
             start = self.env.now
-            latencies = [self.fabric.handshake((decode.engine_id, w.tp_rank),
-                                               (prefill.engine_id, t))
-                         for w in decode.workers for t in self._targets(w, prefill.tp)]
+            latencies = [self.fabric.handshake((local.engine_id, w.tp_rank),
+                                               (remote.engine_id, t))
+                         for w in local.workers for t in self._targets(w, remote.tp)]
             yield simpy.AllOf(self.env, latencies)
-            payloads = prefill.payloads()
+            payloads = remote.payloads()
             error = None
             try:
-                for w in decode.workers:
-                    w.connect(prefill.engine_id, payloads)
+                for w in local.workers:
+                    w.connect(remote.engine_id, payloads)
             except (HandshakeError, GeometryError) as exc:
                 error = str(exc)
-                self.handshake_errors.append(f"{decode.engine_id} <- {prefill.engine_id}: {error}")
+                arrow = "<-" if local.role == "decode" else "->"
+                pair = (f"{local.engine_id} {arrow} {remote.engine_id}" if local.role == "decode"
+                        else f"{remote.engine_id} <- {local.engine_id} (push)")
+                self.handshake_errors.append(f"{pair}: {error}")
             rec.times["handshake"] = self.env.now - start
             event.succeed(error)
         elif not event.triggered:
@@ -494,30 +689,72 @@ class Cluster:
             done.succeed()
 
     def _on_activity(self, engine: Engine, worker: ConnectorWorker) -> None:
+        """A transfer of, or a message to, ``worker`` completed: poll it (the sans-I/O core is
+        driven from here, as the engine's step loop drives the reference connector)."""
         if engine.role == "decode":
             for outcome in worker.poll():
                 self._collect(outcome.request_id, worker.tp_rank, outcome)
+            for message in worker.take_messages():
+                parsed = parse_notification(message)
+                if parsed is None or not self._on_push_notification(engine, worker.tp_rank,
+                                                                    *parsed):
+                    self.counters["late_notifications"] += 1
             return
-        for rid, count in worker.take_notifications():
+        for outcome in worker.poll():  # push WRITEs
+            self._collect_write(engine, worker.tp_rank, outcome)
+        for message in worker.take_messages():
+            if message.startswith(PUSH_PREFIX):
+                registration = PushRegistration.decode(message)
+                if registration is None:
+                    self.counters["malformed_registrations"] += 1
+                    log.warning("malformed push registration dropped on %s", worker.transport.name)
+                else:
+                    self._on_registration(engine, worker.tp_rank, registration)
+                continue
+            parsed = parse_notification(message)
+            if parsed is None:
+                self.counters["late_notifications"] += 1
+                continue
+            rid, count = parsed
             self.counters["notifications"] += 1
             key = (engine.engine_id, rid)
             pending = self._pending_notifs.get(key)
             if pending is None:
                 self.counters["late_notifications"] += 1
-                log.info("notification for unknown request %s on %s ignored", rid, worker.transport.name)
+                log.info("notification for unknown request %s on %s ignored", rid,
+                         worker.transport.name)
                 continue
             pending[worker.tp_rank] = pending.get(worker.tp_rank, 0) + 1
-            expected = count
-            if len(pending) == engine.tp and all(v >= expected for v in pending.values()):
-                held = self._prefill_held.pop(key, None)
-                self._pending_notifs.pop(key, None)
-                lease = self._leases.pop(key, None)
-                if lease is not None and lease.is_alive:
-                    lease.interrupt()
-                if held is not None:
-                    _, blocks, rec = held
-                    rec.times["prefill_freed"] = self.env.now
-                    self._free(engine, blocks)
+            if len(pending) == engine.tp and all(v >= count for v in pending.values()):
+                self._release_prefill(engine, rid)
+
+    def _on_push_notification(self, decode: Engine, rank: int, rid: str, sender_world: int
+                              ) -> bool:
+        """Decode counts "{D_request_id}:{P_world_size}"; each rank expects
+        max(1, P_TP // D_TP) (DOMAIN.md §8.2)."""
+        wait = self._push_waiters.get(rid)
+        if wait is None:
+            return False
+        self.counters["notifications"] += 1
+        wait.counts[rank] = wait.counts.get(rank, 0) + 1
+        expected = max(1, sender_world // decode.tp)
+        if len(wait.counts) == decode.tp and all(v >= expected for v in wait.counts.values()):
+            if not wait.done.triggered:
+                wait.done.succeed(None)
+        return True
+
+    def _release_prefill(self, engine: Engine, p_rid: str) -> None:
+        """Free a finished request's prefill blocks before its lease expires."""
+        key = (engine.engine_id, p_rid)
+        held = self._prefill_held.pop(key, None)
+        self._pending_notifs.pop(key, None)
+        lease = self._leases.pop(key, None)
+        if lease is not None and lease.is_alive:
+            lease.interrupt()
+        if held is not None:
+            _, blocks, rec = held
+            rec.times["prefill_freed"] = self.env.now
+            self._free(engine, blocks)
 
 
 def run_scenario(scenario: Scenario, *, timing_only: bool = False) -> RunResult:

@@ -515,6 +515,16 @@ class ScenarioDocument(_Section):
                     key=f"faults[{i}].request",
                     show_input=False,
                 )
+        hits = self.workload.prefix_hit_tokens
+        hits_possible = (hits != 0) if isinstance(hits, int) else (
+            any(hits) if isinstance(hits, tuple) else hits.max > 0)
+        if hits_possible and not self.decode.prefix_caching:
+            raise _err(
+                "prefix hits need [decode] prefix_caching = true (decode's prefix cache is "
+                "where the hit comes from)",
+                key="workload.prefix_hit_tokens",
+                show_input=False,
+            )
         failed = self.expect.failed_requests
         if failed is not None and failed > self.workload.requests:
             raise _err(

@@ -211,8 +211,8 @@ def test_hf_config_must_exist(tmp_path: Path) -> None:
             id="wrong-type-int-for-bool",
         ),
         pytest.param(
-            MINIMAL + "[prefill]\ntp = 3\n", "case.toml: prefill.tp: expected a power of two",
-            ["got 3"], id="tp-not-power-of-two",
+            MINIMAL + "[prefill]\ntp = 65\n", "case.toml: prefill.tp: expected a value <= 64",
+            ["got 65"], id="tp-too-large",
         ),
         pytest.param(
             MINIMAL + "[connector]\nmode = \"pul\"\n", "case.toml: connector.mode: invalid value",
@@ -398,11 +398,11 @@ def test_unreadable_and_non_utf8_files(tmp_path: Path) -> None:
 
 def test_error_attributes() -> None:
     with pytest.raises(ScenarioError) as info:
-        parse_scenarios(MINIMAL + "[prefill]\ntp = 3\n", source="f.toml")
+        parse_scenarios(MINIMAL + "[prefill]\ntp = 65\n", source="f.toml")
     err = info.value
     assert isinstance(err, ValueError)
     assert (err.source, err.key) == ("f.toml", "prefill.tp")
-    assert err.problem.startswith("expected a power of two")
+    assert err.problem == "expected a value <= 64, got 65"
 
 
 # --- sweeps ------------------------------------------------------------------------------------
@@ -480,8 +480,8 @@ workload.prompt_tokens = [64, [10, 20], { min = 2, max = 8 }]
 
 
 def test_sweep_error_names_the_variant() -> None:
-    message = error_of(SWEEP.replace("decode.tp = [1, 2]", "decode.tp = [2, 3]"), "s.toml")
-    assert message.startswith("s.toml [prefill.tp=1, decode.tp=3]: decode.tp: expected a power")
+    message = error_of(SWEEP.replace("decode.tp = [1, 2]", "decode.tp = [2, 65]"), "s.toml")
+    assert message.startswith("s.toml [prefill.tp=1, decode.tp=65]: decode.tp: expected a value <= 64")
 
 
 def test_xfail_rule_applies_per_variant(tmp_path: Path) -> None:
@@ -533,7 +533,7 @@ def test_sweepable_keys_cover_sections_not_faults() -> None:
 def workload_with(prompt: str, hits: str = "0", requests: int = 1000) -> Any:
     text = MINIMAL.replace("requests = 4", f"requests = {requests}").replace(
         "prompt_tokens = 100", f"prompt_tokens = {prompt}\nprefix_hit_tokens = {hits}"
-    )
+    ) + "[decode]\nprefix_caching = true\n"
     (s,) = parse_scenarios(text)
     return s
 
@@ -578,6 +578,7 @@ def test_fixed_and_cycled_lengths() -> None:
 def test_sampled_prefix_hit_not_below_prompt_names_request(tmp_path: Path) -> None:
     text = MINIMAL.replace("prompt_tokens = 100", "prompt_tokens = [1000, 1000, 10]\n"
                            "prefix_hit_tokens = { min = 0, max = 100 }")
+    text += "[decode]\nprefix_caching = true\n"
     (s,) = load_scenarios(write(tmp_path, text, "hits.toml"))
     with pytest.raises(ScenarioError) as info:
         s.request_lengths(np.random.default_rng(3))
@@ -707,3 +708,12 @@ def test_garbage_text_raises_scenario_error_or_parses(text: str) -> None:
         parse_scenarios(text, source="t.toml")
     except ScenarioError as exc:
         assert str(exc).startswith("t.toml")
+
+
+def test_prefix_hits_need_decode_prefix_caching() -> None:
+    text = MINIMAL.replace("prompt_tokens = 100", "prompt_tokens = 100\nprefix_hit_tokens = 64")
+    message = error_of(text, "case.toml")
+    assert message.startswith("case.toml: workload.prefix_hit_tokens: prefix hits need [decode] "
+                              "prefix_caching = true")
+    (ok,) = parse_scenarios(text + "[decode]\nprefix_caching = true\n")
+    assert ok.decode.prefix_caching

@@ -15,8 +15,8 @@ import numpy as np
 from .metadata import RankMetadata
 from .tp import SourcePlan
 
-__all__ = ["DescriptorList", "local_descriptors", "split_descriptors", "remote_descriptors",
-           "state_region_indices"]
+__all__ = ["DescriptorList", "local_descriptors", "split_descriptors", "sliced_descriptors",
+           "remote_descriptors", "state_region_indices"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,27 +120,37 @@ def local_descriptors(meta: RankMetadata, state_regions: Sequence[int], *,
 
 def split_descriptors(meta: RankMetadata, state_regions: Sequence[int], plan: SourcePlan,
                       remote_rank: int, *, sub_blocks: int = 1) -> DescriptorList:
-    """Split list for source ``remote_rank`` (§5.2): same length and order as the full list.
+    """Split list for pull source ``remote_rank`` (§5.2): same length and order as the full list.
 
     REPLICATE attention stays whole; SPLIT attention takes slot/fa_splits of each block; state
     takes chunk p_idx/ssm_splits of each sub-region.
     """
-    is_mla = np.asarray(meta.region_is_mla, dtype=bool)
-    block = np.asarray(meta.block_lens, dtype=np.int64) // sub_blocks
     if remote_rank in plan.attention_sources:
         slot, splits = plan.attention_slot(remote_rank), plan.fa_splits
     else:  # a state-only source: attention ids are never used with this list
         slot, splits = 0, max(plan.fa_splits, 1)
-    lens = np.where(is_mla, block, block // splits)
-    offsets = np.where(is_mla, 0, slot * (block // splits))
+    chunk = plan.state_chunk(remote_rank) if remote_rank in plan.state_sources else 0
+    return sliced_descriptors(meta, state_regions, attention_slot=slot, attention_splits=splits,
+                              state_chunk=chunk, state_splits=max(plan.ssm_splits, 1),
+                              sub_blocks=sub_blocks)
+
+
+def sliced_descriptors(meta: RankMetadata, state_regions: Sequence[int], *, attention_slot: int,
+                       attention_splits: int, state_chunk: int, state_splits: int,
+                       sub_blocks: int = 1) -> DescriptorList:
+    """The full list with every SPLIT attention block cut to slot/splits and every state
+    sub-region cut to chunk/splits (REPLICATE attention stays whole)."""
+    is_mla = np.asarray(meta.region_is_mla, dtype=bool)
+    block = np.asarray(meta.block_lens, dtype=np.int64) // sub_blocks
+    lens = np.where(is_mla, block, block // attention_splits)
+    offsets = np.where(is_mla, 0, attention_slot * (block // attention_splits))
     attention = _attention_part(meta, sub_blocks, lens, offsets)
     regions = state_region_indices(meta, state_regions)
     sizes = np.asarray(meta.ssm_subregion_sizes, dtype=np.int64)
     if regions.size:
-        chunk, n_chunks = plan.state_chunk(remote_rank), plan.ssm_splits
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        offsets_s = starts + chunk * (sizes // n_chunks)
-        state, n_log = _state_part(meta, regions, offsets_s, sizes // n_chunks)
+        offsets_s = starts + state_chunk * (sizes // state_splits)
+        state, n_log = _state_part(meta, regions, offsets_s, sizes // state_splits)
     else:
         state, n_log = np.zeros((0, 2), np.int64), 0
     return _assemble(meta, attention, meta.num_blocks * sub_blocks, state,
@@ -148,14 +158,19 @@ def split_descriptors(meta: RankMetadata, state_regions: Sequence[int], plan: So
 
 
 def remote_descriptors(remote: RankMetadata, local: RankMetadata, state_regions: Sequence[int],
-                       plan: SourcePlan, *, bsr: int) -> DescriptorList:
-    """The remote list one local rank prepares for one remote rank (§5.3-5.4)."""
+                       plan: SourcePlan, *, bsr: int, remote_sub_blocks: int = 1) -> DescriptorList:
+    """The remote list one local rank prepares for one remote rank (§5.3-5.4).
+
+    Pull: the local side is decode and ``bsr`` its block size ratio (a local block is bsr remote
+    blocks). Push: the local side is prefill (``bsr`` 1) and each remote decode block is listed
+    as ``remote_sub_blocks`` sub-blocks, one per prefill kernel block.
+    """
     local_is_mla = np.asarray(local.region_is_mla, dtype=bool)
     len_l = np.asarray(local.block_lens, dtype=np.int64) // bsr
     num_reads = np.where(local_is_mla, 1, max(plan.fa_splits, 1))
     lens = len_l // num_reads
     offsets = np.where(local_is_mla, 0, plan.rank_offset_factor * len_l)
-    attention = _attention_part(remote, 1, lens, offsets)
+    attention = _attention_part(remote, remote_sub_blocks, lens, offsets)
     regions = state_region_indices(remote, state_regions)
     local_sizes = np.asarray(local.ssm_subregion_sizes, dtype=np.int64)
     if regions.size:
@@ -174,5 +189,5 @@ def remote_descriptors(remote: RankMetadata, local: RankMetadata, state_regions:
         state, n_log = _state_part(remote, regions, offsets_s, sizes)
     else:
         state, n_log = np.zeros((0, 2), np.int64), 0
-    return _assemble(remote, attention, remote.num_blocks, state,
+    return _assemble(remote, attention, remote.num_blocks * remote_sub_blocks, state,
                      regions.size * local_sizes.size, n_log)

@@ -14,7 +14,13 @@ import numpy as np
 from ..geometry.layout import EngineLayout
 from ..transport.base import DONE, ERR, PROC, Memory, Transport, TransportError
 from .blocks import PairingError, expand_logical, pair_attention, pair_state_slots, to_sub_blocks
-from .descriptors import DescriptorList, local_descriptors, remote_descriptors, split_descriptors
+from .descriptors import (
+    DescriptorList,
+    local_descriptors,
+    remote_descriptors,
+    sliced_descriptors,
+    split_descriptors,
+)
 from .metadata import (
     MetadataError,
     RankMetadata,
@@ -23,6 +29,7 @@ from .metadata import (
     encode_handshake,
     rank_metadata,
 )
+from .push import WriteRequest
 from .tp import SourcePlan, handshake_targets, source_plan
 from .validate import HandshakeError, PairSettings, validate_pair, validate_remote_ranks
 
@@ -206,8 +213,11 @@ class ConnectorWorker:
                 agent = self.transport.add_remote_agent(meta.agent_metadata)
             except TransportError as exc:
                 raise HandshakeError("V8", f"add_remote_agent failed: {exc}") from None
-            local_bsr = bsr if local_is_decode else 1
-            rl = remote_descriptors(meta, self.metadata, self.state_regions, plan, bsr=local_bsr)
+            if local_is_decode:  # pull: decode's blocks are bsr prefill blocks
+                rl = remote_descriptors(meta, self.metadata, self.state_regions, plan, bsr=bsr)
+            else:  # push: list decode's blocks as bsr sub-blocks, one per prefill kernel block
+                rl = remote_descriptors(meta, self.metadata, self.state_regions, plan, bsr=1,
+                                        remote_sub_blocks=bsr)
             handle = self.transport.prep_xfer_dlist(agent, rl.descs)
             remotes[rank] = _RemoteRank(meta=meta, agent=agent, bsr=bsr, plan=plan,
                                         remote_list=rl, remote_handle=handle)
@@ -252,7 +262,13 @@ class ConnectorWorker:
                 pairing = pair_attention(
                     decode_ids=d_kernel, prefill_ids=expand_logical(p_ids, expansion_ppl),
                     decode_hit_units=req.decode_hit_blocks * ppl_d * bsr,
-                    heterogeneous_ppl=ppl_d * bsr != ppl_p,
+                    # DOMAIN.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the
+                    # ppl are equal, end-trim. Otherwise front-trim" -- the same ppl test as
+                    # V4. A block size ratio is absorbed by D's sub-block list (ids and hit
+                    # offset are in P-kernel units), so it must not count as heterogeneous
+                    # ppl: `ppl_d * bsr != ppl_p` made every bsr > 1 prefix hit fail with
+                    # PairingError (non-hybrids, and hybrids whose ppl V4 had accepted).
+                    heterogeneous_ppl=self.model.is_hybrid and ppl_d != ppl_p,
                     ppl_decode=ppl_d * bsr, ppl_prefill=ppl_p,
                     front_trim_with_prefix="front-trim-with-prefix-cache" in quirks)
                 attn_local.append(pairing.local)
@@ -293,6 +309,115 @@ class ConnectorWorker:
                 rl.state_ids(rs) if reads_state else empty])
             notif = f"{req.prefill_request_id}:{count}".encode()
             handle = self.transport.make_prepped_xfer("READ", local_handle, local_ids,
+                                                      remote.remote_handle, remote_ids, notif)
+            handles.append(handle)
+            try:
+                self.transport.transfer(handle)
+            except TransportError:
+                self.transport.release_xfer_handle(handle)
+                handles.remove(handle)
+                for h in handles:
+                    self._release_quietly(h)
+                raise
+            outcome.descriptors += int(local_ids.size)
+            outcome.nbytes += int(local_list.descs[local_ids, 1].sum()) if local_ids.size else 0
+            outcome.transfers += 1
+        return handles
+
+    # ---- push (prefill side) --------------------------------------------------------------
+    def start_write(self, req: WriteRequest) -> RequestOutcome | None:
+        """Post one WRITE per decode rank this prefill rank covers (DOMAIN.md §8.2). Returns an
+        immediate outcome on a setup failure or when nothing needs moving, else None."""
+        outcome = RequestOutcome(request_id=req.prefill_request_id, ok=False)
+        try:
+            handles = self._post_writes(req, outcome)
+        except (TransportError, PairingError, AssertionError) as exc:
+            outcome.reason = f"{type(exc).__name__}: {exc}" if isinstance(
+                exc, AssertionError) else str(exc)
+            outcome.failure_class = getattr(exc, "kind", "transfer_setup_failed")
+            return outcome
+        self._in_flight[req.prefill_request_id] = _InFlight(
+            request_id=req.prefill_request_id, handles=handles, outcome=outcome)
+        if not handles:
+            return self._finish(req.prefill_request_id)
+        return None
+
+    def _post_writes(self, req: WriteRequest, outcome: RequestOutcome) -> list[int]:
+        reg = req.registration
+        remotes = self._remotes[reg.decode_engine]
+        first = next(iter(remotes.values()))
+        bsr, plan = first.bsr, first.plan
+        p_tp, d_tp = self.layout.tp, first.meta.tp_size
+        ppl_p = self.layout.physical_blocks_per_logical
+        ppl_d = first.meta.physical_blocks_per_logical
+        quirks = self.settings.quirks
+        pure_mla = self.model.attention.is_mla and not self.model.is_hybrid
+        if ("push-single-source-assert" in quirks and self.model.attention.is_mla
+                and self.model.is_hybrid and len(remotes) > 1):
+            # pre-#49762: the replicated-MLA WRITE branch asserted a single target rank
+            raise AssertionError(
+                f"replicated-MLA WRITE expects a single target rank, mapping has "
+                f"{sorted(remotes)} (hybrid MLA+SSM with prefill TP {p_tp} < decode TP {d_tp})")
+        expansion_ppl = ppl_p if "local-ppl-remote-expansion" in quirks else ppl_d
+        attn_p, attn_d, state_p, state_d = [], [], [], []
+        for group in self.layout.groups:
+            p_ids = np.asarray(req.prefill_blocks.get(group.group_id, ()), dtype=np.int64)
+            d_ids = np.asarray(reg.blocks.get(group.group_id, ()), dtype=np.int64)
+            if group.kind == "attention":
+                d_sub = expand_logical(d_ids, expansion_ppl)
+                if bsr > 1:
+                    d_sub = to_sub_blocks(d_sub, bsr)
+                pairing = pair_attention(
+                    decode_ids=d_sub, prefill_ids=expand_logical(p_ids, ppl_p),
+                    decode_hit_units=reg.hit_blocks * ppl_d * bsr,
+                    heterogeneous_ppl=self.model.is_hybrid and ppl_d != ppl_p,
+                    ppl_decode=ppl_d * bsr, ppl_prefill=ppl_p,
+                    front_trim_with_prefix="front-trim-with-prefix-cache" in quirks)
+                attn_p.append(pairing.remote)
+                attn_d.append(pairing.local)
+            else:
+                d_slots, p_slots = pair_state_slots(d_ids, p_ids)
+                state_p.append(p_slots)
+                state_d.append(d_slots)
+        empty = np.zeros(0, np.int64)
+        la = np.concatenate(attn_p) if attn_p else empty
+        ra = np.concatenate(attn_d) if attn_d else empty
+        ls = np.concatenate(state_p) if state_p else empty
+        rs = np.concatenate(state_d) if state_d else empty
+        if "attention-only-transfer" in quirks:
+            ls, rs = empty, empty
+        notif = f"{reg.decode_request_id}:{p_tp}".encode()
+        targets = sorted(remotes)
+        heads = self.model.attention.heads_per_rank
+        handles: list[int] = []
+        for index, d_rank in enumerate(targets):
+            remote = remotes[d_rank]
+            if la.size == 0 and ls.size == 0:  # full prefix hit: notification only
+                self.transport.send_notif(remote.agent, notif)
+                continue
+            if plan.tp_ratio < 0 and not pure_mla:
+                # prefill TP < decode TP: every covered decode rank gets the attention it holds
+                # (whole MLA blocks, or its head slice) and state chunk ``index`` (#49762)
+                attn = self.model.attention
+                if attn.is_mla:
+                    slot, splits = 0, 1
+                else:
+                    splits = heads(p_tp) // heads(d_tp)
+                    slot = (attn.first_head(d_tp, d_rank) - attn.first_head(p_tp, self.tp_rank)
+                            ) // heads(d_tp)  # type: ignore[union-attr]
+                key = (plan.tp_ratio, -1 - d_rank, 1)
+                if key not in self._split_lists:
+                    dl = sliced_descriptors(self.metadata, self.state_regions,
+                                            attention_slot=slot, attention_splits=splits,
+                                            state_chunk=index, state_splits=len(targets))
+                    self._split_lists[key] = (dl, self.transport.prep_xfer_dlist("", dl.descs))
+                local_list, local_handle = self._split_lists[key]
+            else:
+                local_list, local_handle = self._local_list(1)
+            rl = remote.remote_list
+            local_ids = np.concatenate([local_list.attention_ids(la), local_list.state_ids(ls)])
+            remote_ids = np.concatenate([rl.attention_ids(ra), rl.state_ids(rs)])
+            handle = self.transport.make_prepped_xfer("WRITE", local_handle, local_ids,
                                                       remote.remote_handle, remote_ids, notif)
             handles.append(handle)
             try:
@@ -381,15 +506,14 @@ class ConnectorWorker:
         return len(self._in_flight)
 
     # ---- notifications (prefill side) ----------------------------------------------------
+    def take_messages(self) -> list[bytes]:
+        """Every message that arrived since the last call, in arrival order per sender."""
+        return [m for messages in self.transport.get_new_notifs().values() for m in messages]
+
     def take_notifications(self) -> list[tuple[str, int]]:
         """Parsed '{request_id}:{count}' notifications; malformed ones are dropped."""
-        out = []
-        for messages in self.transport.get_new_notifs().values():
-            for m in messages:
-                parsed = parse_notification(m)
-                if parsed is not None:
-                    out.append(parsed)
-        return out
+        parsed = (parse_notification(m) for m in self.take_messages())
+        return [p for p in parsed if p is not None]
 
     # ---- post-processing -----------------------------------------------------------------
     def regroup_heads(self, kernel_blocks: np.ndarray, bsr: int) -> None:

@@ -1,0 +1,54 @@
+"""Every quirk (a replay of a real connector bug) is caught by a scenario under scenarios/quirks.
+
+For each quirk, ``scenarios/quirks/<quirk>.toml`` (or ``xfail-<quirk>.toml``) meets its
+expectation as written and fails it with the quirk switched on. A quirk added without such a
+scenario fails this test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hkvsim.cluster import run_scenario
+from hkvsim.connector.quirks import QUIRKS
+from hkvsim.results import expectation_problems, result_json
+from hkvsim.scenario import Scenario, load_scenarios
+
+QUIRK_DIR = Path(__file__).resolve().parents[1] / "scenarios" / "quirks"
+
+
+def _catching_scenario(quirk: str) -> Scenario:
+    candidates = [QUIRK_DIR / f"{quirk}.toml", QUIRK_DIR / f"xfail-{quirk}.toml"]
+    found = [p for p in candidates if p.exists()]
+    assert found, f"quirk {quirk!r} has no catching scenario in {QUIRK_DIR}"
+    (scenario,) = load_scenarios(found[0])
+    return scenario
+
+
+def _with_quirk(scenario: Scenario, quirk: str) -> Scenario:
+    connector = scenario.connector.model_copy(update={"quirks": (*scenario.connector.quirks, quirk)})
+    return scenario.model_copy(update={"connector": connector})
+
+
+@pytest.mark.parametrize("quirk", sorted(QUIRKS))
+def test_quirk_is_caught(quirk: str) -> None:
+    scenario = _catching_scenario(quirk)
+    assert quirk not in scenario.connector.quirks
+    clean = run_scenario(scenario)
+    assert expectation_problems(clean) == [], "the catching scenario must pass without the quirk"
+    buggy = run_scenario(_with_quirk(scenario, quirk))
+    problems = expectation_problems(buggy)
+    assert problems, f"quirk {quirk!r} went unnoticed"
+    data = result_json(buggy)
+    # an explanation a connector engineer recognises: a semantic mismatch, a failure reason,
+    # a wrong accept, or prefill freed by its lease
+    explained = (data["mismatches"] or data["failures"] or data["requests"]["freed_by_lease"]
+                 or (scenario.expect.outcome == "handshake-error" and not buggy.handshake_errors))
+    assert explained, problems
+
+
+def test_every_quirk_file_names_a_quirk() -> None:
+    names = {p.stem.removeprefix("xfail-") for p in QUIRK_DIR.glob("*.toml")}
+    assert names == set(QUIRKS)
