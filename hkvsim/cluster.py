@@ -135,6 +135,7 @@ class RequestRecord:
     mismatches: list[str] = field(default_factory=list)
     freed_by_lease: bool = False
     times: dict[str, float] = field(default_factory=dict)
+    telemetry: list[dict[str, Any]] = field(default_factory=list)  # one entry per transfer
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -149,6 +150,7 @@ class RunResult:
     counters: dict[str, int]
     sim_seconds: float
     layouts: dict[str, EngineLayout]
+    link_segments: list[Any] = field(default_factory=list)  # fabric LinkSegment records
 
     @property
     def hung(self) -> int:
@@ -261,7 +263,8 @@ class Cluster:
             settings = ConnectorSettings(mode=conn.mode, quirks=self.quirks,
                                          prefix_caching=section.prefix_caching,
                                          host_buffer=conn.host_buffer,
-                                         enforce_handshake_compat=conn.enforce_handshake_compat)
+                                         enforce_handshake_compat=conn.enforce_handshake_compat,
+                                         descriptor_merge=conn.descriptor_merge)
             for i in range(section.instances):
                 probe = engine_layout(self.model, section, num_blocks=1,
                                       registration_order=conn.registration_order,
@@ -319,7 +322,8 @@ class Cluster:
         layouts = {role: es[0].layout for role, es in self.engines.items()}
         return RunResult(scenario=self.scenario, records=self.records,
                          handshake_errors=self.handshake_errors, leaks=leaks,
-                         counters=self.counters, sim_seconds=self._makespan(), layouts=layouts)
+                         counters=self.counters, sim_seconds=self._makespan(), layouts=layouts,
+                         link_segments=self.fabric.link_segments())
 
     def _makespan(self) -> float:
         """Simulated time of the last request event (a cancelled lease timer still sits in the
@@ -571,6 +575,10 @@ class Cluster:
             for t in o.telemetry:
                 rec.times["post"] = max(rec.times.get("post", 0.0), t.post_seconds)
                 rec.times["wire"] = max(rec.times.get("wire", 0.0), t.transfer_seconds)
+                rec.telemetry.append({
+                    "nbytes": t.nbytes, "descriptors": t.descriptors, "submitted": t.submitted,
+                    "post_seconds": t.post_seconds, "transfer_seconds": t.transfer_seconds,
+                    "completed": t.completed, "path": list(t.path)})
 
     def _verify_and_compute(self, rec: RequestRecord, decode: Engine, job: "DecodeJob") -> None:
         """Check every loaded byte against the oracle, then compute token N locally (its KV and

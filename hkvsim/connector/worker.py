@@ -44,6 +44,7 @@ class ConnectorSettings:
     prefix_caching: bool = False
     host_buffer: bool = False
     enforce_handshake_compat: bool = True
+    descriptor_merge: str = "off"  # off | contiguous | strided (DESIGN: fewer descriptors)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,8 +309,8 @@ class ConnectorWorker:
                 rl.attention_ids(ra) if reads_attention else empty,
                 rl.state_ids(rs) if reads_state else empty])
             notif = f"{req.prefill_request_id}:{count}".encode()
-            handle = self.transport.make_prepped_xfer("READ", local_handle, local_ids,
-                                                      remote.remote_handle, remote_ids, notif)
+            handle = self._make_xfer("READ", local_list, local_handle, local_ids, remote,
+                                     remote_ids, notif)
             handles.append(handle)
             try:
                 self.transport.transfer(handle)
@@ -417,8 +418,8 @@ class ConnectorWorker:
             rl = remote.remote_list
             local_ids = np.concatenate([local_list.attention_ids(la), local_list.state_ids(ls)])
             remote_ids = np.concatenate([rl.attention_ids(ra), rl.state_ids(rs)])
-            handle = self.transport.make_prepped_xfer("WRITE", local_handle, local_ids,
-                                                      remote.remote_handle, remote_ids, notif)
+            handle = self._make_xfer("WRITE", local_list, local_handle, local_ids, remote,
+                                     remote_ids, notif)
             handles.append(handle)
             try:
                 self.transport.transfer(handle)
@@ -432,6 +433,14 @@ class ConnectorWorker:
             outcome.nbytes += int(local_list.descs[local_ids, 1].sum()) if local_ids.size else 0
             outcome.transfers += 1
         return handles
+
+    def _make_xfer(self, op: str, local_list: DescriptorList, local_handle: int,
+                   local_ids: np.ndarray, remote: _RemoteRank, remote_ids: np.ndarray,
+                   notif: bytes) -> int:
+        """Create one transfer from paired descriptor ids (the reference's per-block plan:
+        prepared lists indexed by descriptor id)."""
+        return self.transport.make_prepped_xfer(op, local_handle, local_ids,
+                                                remote.remote_handle, remote_ids, notif)
 
     def _release_quietly(self, handle: int) -> bool:
         """Release a handle; one that cannot be released yet is kept and retried on every poll
