@@ -24,6 +24,7 @@ from .connector.push import PUSH_PREFIX, PushRegistration, WriteRequest, base_re
 from .connector.quirks import check_quirks
 from .connector.tp import TPError
 from .connector.validate import HandshakeError
+from .transport.base import TransportError
 from .connector.worker import (
     ConnectorSettings,
     ConnectorWorker,
@@ -32,6 +33,7 @@ from .connector.worker import (
     parse_notification,
 )
 from .fabric import Fabric, load_profile, place_engines
+from .faults import FaultPlan
 from .geometry.layout import EngineLayout, build_layout
 from .geometry.presets import preset
 from .geometry.specs import GeometryError, ModelSpec
@@ -107,6 +109,7 @@ class DecodeJob:
     load: dict[int, np.ndarray]  # group id -> the uncached blocks the connector fills
     hit_blocks: int
     load_tokens: int  # N - 1: decode computes token N itself
+    recomputed: bool = False  # kv_load_failure_policy = "recompute" took over
 
 
 @dataclass(kw_only=True)
@@ -134,6 +137,7 @@ class RequestRecord:
     mismatched_words: int = 0
     mismatches: list[str] = field(default_factory=list)
     freed_by_lease: bool = False
+    recovered_from: str | None = None  # failure class recomputed under policy "recompute"
     times: dict[str, float] = field(default_factory=dict)
     telemetry: list[dict[str, Any]] = field(default_factory=list)  # one entry per transfer
 
@@ -209,6 +213,11 @@ class Engine:
         self.freed = world.env.event()
         self.connections: dict[str, simpy.Event] = {}
         self.oracle = Oracle(layout.model) if world.move_bytes else None
+        # version stamp per logical block, bumped on every free: a transfer that reads blocks
+        # whose version changed under it read freed (maybe reused) memory
+        self.block_version = np.zeros(layout.num_logical_blocks, dtype=np.int64)
+        self.loading: dict[str, tuple[str, str]] = {}  # decode rid -> (prefill engine, p rid)
+        self.heartbeat: simpy.Process | None = None
 
     @property
     def tp(self) -> int:
@@ -242,15 +251,20 @@ class Cluster:
         placement = place_engines(profile, specs)
         self.fabric = Fabric(self.env, profile, placement)
         self.world = SimWorld(self.env, self.fabric, move_bytes=self.verify)
+        if scenario.faults:
+            self.world.faults = FaultPlan(scenario.faults, seed=scenario.scenario.seed,
+                                          transfer_timeout=conn.transfer_timeout_seconds)
         self.records: list[RequestRecord] = []
         self.handshake_errors: list[str] = []
         self.counters = {"lease_expiries": 0, "late_notifications": 0, "notifications": 0,
-                         "malformed_registrations": 0}
+                         "malformed_registrations": 0, "notification_failures": 0,
+                         "recomputed": 0}
         self._pending_notifs: dict[tuple[str, str], dict[int, int]] = {}
         self._prefill_held: dict[tuple[str, str], tuple[Engine, dict[int, np.ndarray],
                                                         RequestRecord]] = {}
         self._decode_waiters: dict[str, tuple[simpy.Event, dict[int, RequestOutcome], int]] = {}
         self._leases: dict[tuple[str, str], simpy.Process] = {}
+        self._lease_deadline: dict[tuple[str, str], float] = {}
         # push mode
         self._published: dict[tuple[str, str], tuple[str, dict[int, np.ndarray],
                                                      RequestRecord]] = {}
@@ -306,6 +320,11 @@ class Cluster:
         else:
             arrivals = np.zeros(len(self.prompts))
         slots = simpy.Resource(self.env, capacity=wl.max_inflight or len(self.prompts))
+        if self.world.faults is not None:
+            agents = [w.transport.name for es in self.engines.values() for e in es
+                      for w in e.workers]
+            for at, agent in self.world.faults.timed_deaths(agents):
+                self.env.process(self._kill_at(at, agent))
         for i, (n, hit) in enumerate(zip(self.prompts.tolist(), self.hits.tolist())):
             rec = RequestRecord(index=i, request_id=f"req-{i}-{self._suffix()}",
                                 prompt_tokens=int(n),
@@ -313,6 +332,13 @@ class Cluster:
             self.records.append(rec)
             self.env.process(self._request(rec, slots))
         self.env.run()
+        workers = [w for es in self.engines.values() for e in es for w in e.workers]
+        self.counters["notification_failures"] += sum(w.notification_failures for w in workers)
+        self.counters["dropped_messages"] = self.world.dropped_messages
+        if self.world.faults is not None:
+            self.counters["faults_injected"] = sum(self.world.faults.injected.values())
+            for kind, n in sorted(self.world.faults.injected.items()):
+                self.counters[f"fault:{kind}"] = n
         leaks = {
             "prefill_blocks": sum(e.allocator.used for e in self.engines["prefill"]),
             "decode_blocks": sum(e.allocator.used for e in self.engines["decode"]),
@@ -332,6 +358,14 @@ class Cluster:
                 if k in ("done", "prefill_freed", "lease_expired")]
         return float(max(ends, default=0.0))
 
+    def _kill_at(self, at: float, agent: str) -> Generator:
+        yield self.env.timeout(at)
+        log.warning("fault: agent %s dies at t=%.6f s", agent, self.env.now)
+        self.world.kill(agent)
+        if self.world.faults is not None:
+            self.world.faults.injected["disconnect-peer"] = self.world.faults.injected.get(
+                "disconnect-peer", 0) + 1
+
     def _allocate(self, engine: Engine, n_attention: int) -> Generator[Any, Any,
                                                                         dict[int, np.ndarray]]:
         layout = engine.layout
@@ -344,9 +378,14 @@ class Cluster:
             blocks[group.group_id] = engine.allocator.allocate(n)
         return blocks
 
-    def _free(self, engine: Engine, blocks: dict[int, np.ndarray]) -> None:
+    def _free(self, engine: Engine, blocks: dict[int, np.ndarray], *, stamp: bool = True
+              ) -> None:
+        """Return blocks to the pool. ``stamp`` bumps their versions, so a transfer still
+        moving them is caught; only push's own completion (its WRITEs are DONE) skips it."""
         for ids in blocks.values():
             engine.allocator.free(ids)
+            if stamp:
+                engine.block_version[ids] += 1
         old, engine.freed = engine.freed, self.env.event()
         old.succeed()
 
@@ -363,17 +402,62 @@ class Cluster:
         rec.prefill_engine, rec.decode_engine = prefill.engine_id, decode.engine_id
         rec.times["start"] = env.now
         p_rid, p_blocks = yield from self._prefill(rec, prefill)
+        versions = {g: prefill.block_version[ids].copy() for g, ids in p_blocks.items()}
         job = yield from self._decode_allocate(rec, decode)
-        if self.scenario.connector.mode == "push":
-            ok = yield from self._push(rec, prefill, decode, p_rid, p_blocks, job)
+        dead = [w.transport.name for w in decode.workers
+                if not self.world.is_alive(w.transport.name)]
+        if dead:
+            failure: tuple[str, str] | None = ("remote_disconnect",
+                                               f"decode rank {dead[0]} is dead")
         else:
-            ok = yield from self._pull(rec, prefill, decode, p_rid, p_blocks, job)
-        if ok:
+            self._start_loading(decode, rec, prefill, p_rid)
+            transfer = self._push if self.scenario.connector.mode == "push" else self._pull
+            failure = yield from transfer(rec, prefill, decode, p_rid, p_blocks, job)
+            decode.loading.pop(rec.request_id, None)
+            if failure is None and rec.transfers:
+                failure = self._freed_while_reading(prefill, p_blocks, versions)
+        if failure is not None and not self._recover(rec, decode, job, failure):
+            self._fail(rec, *failure)
+        if rec.status == "pending":
             self._post_process(prefill, decode, job)
             self._verify_and_compute(rec, decode, job)
             rec.status = "ok"
             rec.times["done"] = env.now
         self._free(decode, job.blocks)
+
+    def _freed_while_reading(self, prefill: Engine, p_blocks: dict[int, np.ndarray],
+                             versions: dict[int, np.ndarray]) -> tuple[str, str] | None:
+        """The early-free race (DOMAIN.md §9.5 scenario 10): prefill freed (and maybe reused)
+        blocks before decode finished reading them. Detected by version stamps, so it is a
+        failure even when the stale bytes happen to still be right."""
+        for group, ids in p_blocks.items():
+            changed = ids[prefill.block_version[ids] != versions[group]]
+            if changed.size:
+                return ("freed_while_reading",
+                        f"prefill {prefill.engine_id} freed blocks {changed[:8].tolist()} of "
+                        f"group {group} while they were being transferred (lease expired early)")
+        return None
+
+    def _recover(self, rec: RequestRecord, decode: Engine, job: "DecodeJob",
+                 failure: tuple[str, str]) -> bool:
+        """kv_load_failure_policy = "recompute": decode recomputes the request itself. With HMA
+        no invalid blocks are reported, and state cannot be re-zeroed, so the whole request is
+        recomputed (DOMAIN.md §9.3)."""
+        if self.scenario.connector.kv_load_failure_policy != "recompute":
+            return False
+        if any(not self.world.is_alive(w.transport.name) for w in decode.workers):
+            return False  # a dead decode rank cannot recompute anything
+        rec.recovered_from = failure[0]
+        self.counters["recomputed"] += 1
+        if decode.oracle is not None:
+            layout = decode.layout
+            for w in decode.workers:
+                assert w.memory is not None
+                decode.oracle.write(w.memory.array, layout, w.tp_rank, rec.index,
+                                    blocks=job.blocks, tokens=(0, job.load_tokens),
+                                    state_step=job.load_tokens if layout.is_hybrid else None)
+        job.recomputed = True
+        return True
 
     def _prefill(self, rec: RequestRecord, prefill: Engine
                  ) -> Generator[Any, Any, tuple[str, dict[int, np.ndarray]]]:
@@ -392,6 +476,10 @@ class Cluster:
         key = (prefill.engine_id, p_rid)
         self._prefill_held[key] = (prefill, p_blocks, rec)
         self._pending_notifs[key] = {}
+        lease = self.scenario.connector.lease_seconds
+        if self.world.faults is not None:
+            lease = self.world.faults.lease_for(rec.index, lease)
+        self._lease_deadline[key] = self.env.now + lease
         self._leases[key] = self.env.process(self._lease(key, rec))
         rec.times["prefill_done"] = self.env.now
         if self.scenario.connector.mode == "push":
@@ -432,12 +520,13 @@ class Cluster:
                          load_tokens=load_tokens)
 
     def _pull(self, rec: RequestRecord, prefill: Engine, decode: Engine, p_rid: str,
-              p_blocks: dict[int, np.ndarray], job: "DecodeJob") -> Generator[Any, Any, bool]:
+              p_blocks: dict[int, np.ndarray], job: "DecodeJob"
+              ) -> Generator[Any, Any, tuple[str, str] | None]:
+        """Pull (DOMAIN.md §8.1); returns None on success, else (failure class, reason)."""
         env = self.env
         error = yield from self._connect(decode, prefill, rec)
         if error is not None:
-            self._fail(rec, "handshake_failed", error)
-            return False
+            return ("handshake_failed", error)
         read = ReadRequest(request_id=rec.request_id, prefill_request_id=p_rid,
                            remote_engine=prefill.engine_id, prefill_blocks=p_blocks,
                            decode_blocks=job.load, decode_hit_blocks=job.hit_blocks)
@@ -449,18 +538,27 @@ class Cluster:
             immediate = w.start_read(read)
             if immediate is not None:
                 self._collect(rec.request_id, w.tp_rank, immediate)
-        yield done
+        timeout = self.scenario.connector.transfer_timeout_seconds
+        yield done | env.timeout(timeout)
         rec.times["transfer_done"] = env.now
+        if not done.triggered:  # the watchdog: a transfer stuck in PROC becomes a failure
+            self._decode_waiters.pop(rec.request_id, None)
+            for w in decode.workers:
+                aborted = w.abort(rec.request_id, "watchdog", "stall")
+                if aborted is not None:
+                    outcomes.setdefault(w.tp_rank, aborted)
+            self._account(rec, outcomes.values())
+            return ("stall", f"transfer still in progress after {timeout:g} s (watchdog)")
         self._account(rec, outcomes.values())
         failures = [o for o in outcomes.values() if not o.ok]
         if failures:
-            self._fail(rec, failures[0].failure_class or "transfer_failed",
-                       failures[0].reason or "transfer failed")
-            return False
-        return True
+            return (failures[0].failure_class or "transfer_failed",
+                    failures[0].reason or "transfer failed")
+        return None
 
     def _push(self, rec: RequestRecord, prefill: Engine, decode: Engine, p_rid: str,
-              p_blocks: dict[int, np.ndarray], job: "DecodeJob") -> Generator[Any, Any, bool]:
+              p_blocks: dict[int, np.ndarray], job: "DecodeJob"
+              ) -> Generator[Any, Any, tuple[str, str] | None]:
         """Push (DOMAIN.md §8.2): decode registers its blocks with every prefill rank; prefill
         matches the registration to its finished request (either order), runs the reverse
         handshake and WRITEs; decode counts max(1, P_TP // D_TP) notifications per rank."""
@@ -487,19 +585,19 @@ class Cluster:
         self._push_waiters[rec.request_id] = _PushWait(done=done, decode=decode, counts={})
         message = registration.encode()
         for w in prefill.workers:
-            first.transport.send_notif(w.transport.name, message)
+            try:
+                first.transport.send_notif(w.transport.name, message)
+            except TransportError as exc:
+                self._push_waiters.pop(rec.request_id, None)
+                return (exc.kind, f"push registration not delivered: {exc}")
         timeout = env.timeout(self.scenario.connector.transfer_timeout_seconds)
         yield done | timeout
         self._push_waiters.pop(rec.request_id, None)
         rec.times["transfer_done"] = env.now
         if not done.triggered:
-            self._fail(rec, "stall", f"push: no WRITE completed within "
-                       f"{self.scenario.connector.transfer_timeout_seconds} s (decode watchdog)")
-            return False
-        if done.value is not None:
-            self._fail(rec, *done.value)
-            return False
-        return True
+            return ("stall", f"push: no WRITE completed within "
+                    f"{self.scenario.connector.transfer_timeout_seconds:g} s (decode watchdog)")
+        return done.value
 
     def _publish(self, prefill: Engine, p_rid: str, p_blocks: dict[int, np.ndarray],
                  rec: RequestRecord) -> None:
@@ -559,7 +657,7 @@ class Cluster:
         self._published.pop((prefill.engine_id, base_request_id(outcome.request_id)), None)
         self._registration_ids.pop(key, None)
         if not failed:  # every WRITE is DONE: free without waiting for the lease
-            self._release_prefill(prefill, outcome.request_id)
+            self._release_prefill(prefill, outcome.request_id, stamp=False)
 
     def _push_result(self, decode_request_id: str, failure: tuple[str, str] | None) -> None:
         wait = self._push_waiters.get(decode_request_id)
@@ -606,7 +704,7 @@ class Cluster:
         sub-block tail, then regroup heads (DOMAIN.md §6)."""
         layout = decode.layout
         bsr = layout.kernel_block_size // prefill.layout.kernel_block_size
-        if bsr == 1 or not self.verify:
+        if bsr == 1 or not self.verify or job.recomputed:
             return
         ppl = layout.physical_blocks_per_logical
         p_kernel = prefill.layout.kernel_block_size
@@ -624,11 +722,18 @@ class Cluster:
         return job.load_tokens + (0 if prefill.layout.is_hybrid else 1)
 
     def _lease(self, key: tuple[str, str], rec: RequestRecord) -> Generator:
-        try:
-            yield self.env.timeout(self.scenario.connector.lease_seconds)
-        except simpy.Interrupt:  # freed by its notifications first
-            return
+        """Prefill holds a finished request's blocks until its notifications arrive or the
+        lease deadline passes; decode's heartbeats move the deadline (DOMAIN.md §9.1)."""
+        while True:
+            wait = self._lease_deadline[key] - self.env.now
+            try:
+                yield self.env.timeout(max(0.0, wait))
+            except simpy.Interrupt:  # freed by its notifications first
+                return
+            if self._lease_deadline.get(key, 0.0) <= self.env.now:
+                break
         self._leases.pop(key, None)
+        self._lease_deadline.pop(key, None)
         held = self._prefill_held.pop(key, None)
         if held is None:
             return
@@ -640,6 +745,45 @@ class Cluster:
                  sum(len(b) for b in blocks.values()))
         self._pending_notifs.pop(key, None)
         self._free(engine, blocks)
+
+    def _on_heartbeat(self, prefill: Engine, message: bytes) -> None:
+        """'HB:r1,r2,...': each listed lease deadline becomes max(old, now + 2/3 lease)."""
+        lease = self.scenario.connector.lease_seconds
+        for rid in message[3:].decode(errors="replace").split(","):
+            key = (prefill.engine_id, rid)
+            if key in self._lease_deadline:
+                self._lease_deadline[key] = max(self._lease_deadline[key],
+                                                self.env.now + 2 * lease / 3)
+
+    def _heartbeats(self, decode: Engine) -> Generator:
+        """Decode sends heartbeats every lease/6 for the requests it is still loading."""
+        period = self.scenario.connector.lease_seconds / 6
+        while decode.loading:
+            yield self.env.timeout(period)
+            by_prefill: dict[str, list[str]] = {}
+            for p_engine, p_rid in decode.loading.values():
+                by_prefill.setdefault(p_engine, []).append(p_rid)
+            sender = next((w for w in decode.workers if self.world.is_alive(w.transport.name)),
+                          None)
+            if sender is None:
+                return
+            for p_engine, rids in by_prefill.items():
+                message = ("HB:" + ",".join(sorted(rids))).encode()
+                for p in self._engine(p_engine).workers:
+                    try:
+                        sender.transport.send_notif(p.transport.name, message)
+                    except TransportError:
+                        self.counters["notification_failures"] += 1
+        decode.heartbeat = None
+
+    def _engine(self, engine_id: str) -> Engine:
+        return next(e for es in self.engines.values() for e in es if e.engine_id == engine_id)
+
+    def _start_loading(self, decode: Engine, rec: RequestRecord, prefill: Engine,
+                       p_rid: str) -> None:
+        decode.loading[rec.request_id] = (prefill.engine_id, p_rid)
+        if decode.heartbeat is None:
+            decode.heartbeat = self.env.process(self._heartbeats(decode))
 
     def _connect(self, local: Engine, remote: Engine, rec: RequestRecord
                  ) -> Generator[Any, Any, str | None]:
@@ -711,6 +855,9 @@ class Cluster:
         for outcome in worker.poll():  # push WRITEs
             self._collect_write(engine, worker.tp_rank, outcome)
         for message in worker.take_messages():
+            if message.startswith(b"HB:"):
+                self._on_heartbeat(engine, message)
+                continue
             if message.startswith(PUSH_PREFIX):
                 registration = PushRegistration.decode(message)
                 if registration is None:
@@ -751,7 +898,7 @@ class Cluster:
                 wait.done.succeed(None)
         return True
 
-    def _release_prefill(self, engine: Engine, p_rid: str) -> None:
+    def _release_prefill(self, engine: Engine, p_rid: str, *, stamp: bool = True) -> None:
         """Free a finished request's prefill blocks before its lease expires."""
         key = (engine.engine_id, p_rid)
         held = self._prefill_held.pop(key, None)
@@ -762,7 +909,7 @@ class Cluster:
         if held is not None:
             _, blocks, rec = held
             rec.times["prefill_freed"] = self.env.now
-            self._free(engine, blocks)
+            self._free(engine, blocks, stamp=stamp)
 
 
 def run_scenario(scenario: Scenario, *, timing_only: bool = False) -> RunResult:

@@ -19,6 +19,15 @@ def expectation_problems(result: RunResult) -> list[str]:
     outcome = result.outcome
     if outcome == "corruption" and not expect.byte_exact:
         outcome = "ok" if not result.failed else "request-failure"
+    expired = sum(r.freed_by_lease for r in result.records)
+    if expect.lease_expiries is not None:
+        if expired != expect.lease_expiries:
+            problems.append(f"{expired} lease expiries, expected {expect.lease_expiries}")
+        if outcome == "lease-expired":
+            outcome = "ok"
+    recomputed = sum(r.recovered_from is not None for r in result.records)
+    if expect.recomputed is not None and recomputed != expect.recomputed:
+        problems.append(f"{recomputed} request(s) recomputed, expected {expect.recomputed}")
     if result.hung:
         problems.append(f"{result.hung} request(s) never reached a terminal state")
     if outcome != expect.outcome and not (outcome == "hang" and problems):
@@ -97,6 +106,7 @@ def result_json(result: RunResult, *, requests: bool = False) -> dict[str, Any]:
             if result.scenario.workload.verify else None,
             "mismatched_bytes": result.mismatched_bytes,
             "freed_by_lease": sum(r.freed_by_lease for r in recs),
+            "recomputed": sum(r.recovered_from is not None for r in recs),
             "descriptors": sum(r.descriptors for r in recs),
             "bytes": sum(r.nbytes for r in recs),
             "transfers": sum(r.transfers for r in recs),
@@ -105,10 +115,14 @@ def result_json(result: RunResult, *, requests: bool = False) -> dict[str, Any]:
         "handshake_errors": list(result.handshake_errors),
         "failures": [{"request": r.index, "class": r.failure_class, "reason": r.reason}
                      for r in recs if r.status == "failed"],
+        "recovered": [{"request": r.index, "recovered_from": r.recovered_from}
+                      for r in recs if r.recovered_from is not None],
         "mismatches": [m for r in recs for m in r.mismatches][:16],
         "counters": dict(result.counters),
         "time": {
             "simulated_seconds": result.sim_seconds,
+            "max_seconds_to_terminal": max((r.times["done"] - r.arrival for r in recs
+                                            if "done" in r.times), default=0.0),
             "transfer_seconds": _stats(transfer),
             "handshake_seconds": _stats([r.times["handshake"] for r in recs
                                          if "handshake" in r.times]),

@@ -479,7 +479,11 @@ class Expect(_Section):
     error_match: Annotated[str, Strict(), AfterValidator(_compiles)] | None = None  # re.search
     byte_exact: Bool = True
     failed_requests: Annotated[int, Strict(), Field(ge=0)] | None = None
-    reason: Str | None = None
+    reason: Str | None = None  # the failure class every failed request must have
+    # requests whose prefill blocks a lease expiry freed (e.g. after a dropped notification);
+    # None: expect none for the requests that completed
+    lease_expiries: Annotated[int, Strict(), Field(ge=0)] | None = None
+    recomputed: Annotated[int, Strict(), Field(ge=0)] | None = None  # policy "recompute"
 
     @model_validator(mode="after")
     def _matched(self) -> Expect:

@@ -122,6 +122,7 @@ class ConnectorWorker:
         self._remotes: dict[str, dict[int, _RemoteRank]] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._zombies: list[int] = []  # handles whose release failed (DMA may be live)
+        self.notification_failures = 0
         self.state_regions = [i for i, r in enumerate(layout.regions)
                               if set(r.layers) & set(self.model.state_layers)]
 
@@ -294,7 +295,7 @@ class ConnectorWorker:
                 # with prefill's request id so prefill can free.
                 rid = req.request_id if "notify-with-decode-request-id" in quirks else (
                     req.prefill_request_id)
-                self.transport.send_notif(remote.agent, f"{rid}:{count}".encode())
+                self._notify(remote.agent, f"{rid}:{count}".encode())
                 continue
             if plan.use_split_handles:
                 local_list, local_handle = self._split_list(plan, rank, bsr)
@@ -394,7 +395,7 @@ class ConnectorWorker:
         for index, d_rank in enumerate(targets):
             remote = remotes[d_rank]
             if la.size == 0 and ls.size == 0:  # full prefix hit: notification only
-                self.transport.send_notif(remote.agent, notif)
+                self._notify(remote.agent, notif)
                 continue
             if plan.tp_ratio < 0 and not pure_mla:
                 # prefill TP < decode TP: every covered decode rank gets the attention it holds
@@ -433,6 +434,14 @@ class ConnectorWorker:
             outcome.nbytes += int(local_list.descs[local_ids, 1].sum()) if local_ids.size else 0
             outcome.transfers += 1
         return handles
+
+    def _notify(self, agent: str, message: bytes) -> None:
+        """A notification-only message. A failure is counted, not raised: the peer frees the
+        blocks at lease expiry instead (DOMAIN.md §9.3 notification_failed)."""
+        try:
+            self.transport.send_notif(agent, message)
+        except TransportError:
+            self.notification_failures += 1
 
     def _make_xfer(self, op: str, local_list: DescriptorList, local_handle: int,
                    local_ids: np.ndarray, remote: _RemoteRank, remote_ids: np.ndarray,
@@ -479,10 +488,11 @@ class ConnectorWorker:
                     states.append(ERR)
             if any(s == ERR for s in states):
                 if flight.outcome.reason is None:
-                    errs = [getattr(self.transport, "xfer_error", lambda h: None)(h)
-                            for h, s in zip(flight.handles, states) if s == ERR]
-                    flight.outcome.reason = "; ".join(e for e in errs if e) or "transfer error"
-                    flight.outcome.failure_class = "transfer_failed"
+                    failure = getattr(self.transport, "xfer_failure", lambda h: None)
+                    errs = [failure(h) for h, s in zip(flight.handles, states) if s == ERR]
+                    errs = [e for e in errs if e]
+                    flight.outcome.reason = "; ".join(e[1] for e in errs) or "transfer error"
+                    flight.outcome.failure_class = errs[0][0] if errs else "transfer_failed"
                 finished.append(self._terminate(rid))
             elif all(s == DONE for s in states):
                 finished.append(self._finish(rid))

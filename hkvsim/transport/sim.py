@@ -39,6 +39,7 @@ class _Xfer:
     submitted: float = 0.0
     timing: Any = None
     error: str | None = None
+    error_kind: str = "transfer_failed"
 
 
 @dataclass(eq=False)
@@ -68,6 +69,8 @@ class SimWorld:
         self._next_window = count(1)
         self._listeners: dict[str, list[Callable[[], None]]] = {}
         self.bytes_moved = 0
+        self.faults: Any = None  # hkvsim.faults.FaultPlan, or None
+        self.dropped_messages = 0
 
     def create_agent(self, name: str, endpoint: Hashable) -> "SimTransport":
         if name in self._agents:
@@ -88,6 +91,36 @@ class SimWorld:
     def _wake(self, agent: str) -> None:
         for callback in self._listeners.get(agent, ()):
             callback()
+
+    def kill(self, name: str) -> None:
+        """The agent's process dies: its peers' posts raise, in-flight transfers end in ERR."""
+        agent = self._agents.get(name)
+        if agent is not None and agent.alive:
+            agent.alive = False
+            for other in self._agents:
+                self._wake(other)
+
+    def is_alive(self, name: str) -> bool:
+        agent = self._agents.get(name)
+        return agent is not None and agent.alive
+
+    def send(self, src: str, dst: str, message: bytes) -> None:
+        """Deliver a notification after the fabric's latency, unless a fault drops or delays
+        it."""
+        delay = None
+        if self.faults is not None:
+            delay = self.faults.on_message(now=self.env.now, src=src, dst=dst, message=message)
+        if delay == float("inf"):
+            self.dropped_messages += 1
+            return
+        event = self.fabric.notify(self.agent(src).endpoint, self.agent(dst).endpoint)
+        if delay:
+            def later(_: Any, d: float = delay) -> None:
+                self.env.timeout(d).callbacks.append(
+                    lambda __: self._deliver(src, dst, message))
+            event.callbacks.append(later)
+        else:
+            event.callbacks.append(lambda _: self._deliver(src, dst, message))
 
     def _deliver(self, src: str, dst: str, message: bytes) -> None:
         target = self._agents.get(dst)
@@ -230,22 +263,57 @@ class SimTransport:
         if not remote_agent.alive:
             raise TransportError(f"{self.name}: remote agent {x.remote.agent} disconnected",
                                  kind="remote_disconnect")
-        x.state, x.submitted, x.timing, x.error = PROC, self.world.env.now, None, None
-        me = self.world.agent(self.name)
+        world = self.world
+        fault = None
+        if world.faults is not None:
+            from ..faults import request_index
+
+            request = request_index(x.notif.decode(errors="replace"))
+            for name in world.faults.peers_to_kill(now=world.env.now, request=request,
+                                                   initiator=self.name, remote=x.remote.agent):
+                world.kill(name)
+            for agent in (remote_agent, world.agent(self.name)):
+                if not agent.alive:
+                    raise TransportError(f"{self.name}: agent {agent.name} disconnected",
+                                         kind="remote_disconnect")
+            fault = world.faults.on_post(now=world.env.now, initiator=self.name,
+                                         remote=x.remote.agent, notif=x.notif)
+        x.state, x.submitted, x.timing, x.error = PROC, world.env.now, None, None
+        me = world.agent(self.name)
         src, dst = (remote_agent, me) if x.op == "READ" else (me, remote_agent)
-        event = self.world.fabric.transfer(initiator=me.endpoint, src=src.endpoint,
-                                           dst=dst.endpoint, nbytes=x.nbytes,
-                                           descriptors=int(x.local_ids.size))
-        event.callbacks.append(lambda ev, x=x: self._complete(x, ev.value))
+        if fault is not None and fault.kind == "stall":
+            # stuck in PROC (NIXL PR #2047 has no deadline); the transport gives up eventually
+            world.env.timeout(fault.seconds).callbacks.append(
+                lambda _, x=x: self._fail(x, f"injected stall: transfer stayed PROC for "
+                                              f"{fault.seconds:g} s"))
+            return PROC
+        wire_bytes = x.nbytes * (fault.factor if fault is not None and fault.kind == "slow" else 1)
+        event = world.fabric.transfer(initiator=me.endpoint, src=src.endpoint,
+                                      dst=dst.endpoint, nbytes=int(wire_bytes),
+                                      descriptors=int(x.local_ids.size))
+        if fault is not None and fault.kind == "fail":
+            event.callbacks.append(lambda ev, x=x: self._fail(
+                x, "injected transfer failure (state ERR)", timing=ev.value))
+        else:
+            event.callbacks.append(lambda ev, x=x: self._complete(x, ev.value))
         return PROC
+
+    def _fail(self, x: _Xfer, reason: str, timing: Any = None) -> None:
+        x.timing = timing
+        if x.state == PROC:
+            x.state, x.error = ERR, reason
+        self.world._wake(self.name)
 
     def _complete(self, x: _Xfer, timing: Any) -> None:
         x.timing = timing
         if x.released:
             return
         me, remote = self.world.agent(self.name), self.world.agent(x.remote.agent)
-        if not remote.alive:
-            x.state, x.error = ERR, f"remote agent {remote.name} disconnected"
+        if x.state != PROC:
+            return
+        if not remote.alive or not me.alive:
+            dead = remote.name if not remote.alive else me.name
+            x.state, x.error, x.error_kind = ERR, f"agent {dead} disconnected", "remote_disconnect"
         else:
             try:
                 if self.world.move_bytes:
@@ -254,9 +322,7 @@ class SimTransport:
             except TransportError as exc:
                 x.state, x.error = ERR, str(exc)
         if x.state == DONE and x.notif:
-            msg = x.notif
-            note = self.world.fabric.notify(me.endpoint, remote.endpoint)
-            note.callbacks.append(lambda ev: self.world._deliver(self.name, remote.name, msg))
+            self.world.send(self.name, remote.name, x.notif)
         self.world._wake(self.name)
 
     def _move(self, x: _Xfer, me: _Agent, remote: _Agent) -> None:
@@ -276,8 +342,10 @@ class SimTransport:
         x = self._xfer(handle)
         return x.state if x.state != "NEW" else PROC
 
-    def xfer_error(self, handle: int) -> str | None:
-        return self._xfers[handle].error
+    def xfer_failure(self, handle: int) -> tuple[str, str] | None:
+        """(failure class, reason) of a transfer in ERR, else None."""
+        x = self._xfers[handle]
+        return (x.error_kind, x.error) if x.state == ERR and x.error else None
 
     def release_xfer_handle(self, handle: int) -> None:
         x = self._xfers.get(handle)
@@ -297,10 +365,9 @@ class SimTransport:
         if not target.alive:
             raise TransportError(f"{self.name}: remote agent {agent} disconnected",
                                  kind="remote_disconnect")
-        me = self.world.agent(self.name)
-        msg = bytes(message)
-        note = self.world.fabric.notify(me.endpoint, target.endpoint)
-        note.callbacks.append(lambda ev: self.world._deliver(self.name, agent, msg))
+        if not self.world.agent(self.name).alive:
+            raise TransportError(f"{self.name}: this agent is dead", kind="remote_disconnect")
+        self.world.send(self.name, agent, bytes(message))
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         agent = self.world.agent(self.name)

@@ -1,0 +1,129 @@
+"""Lifecycle and faults: invariants under injected faults, heartbeats, late notifications,
+determinism, and hostile push registrations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hkvsim.cluster import run_scenario
+from hkvsim.connector.push import PUSH_PREFIX, PushRegistration, base_request_id
+from hkvsim.results import result_json
+from hkvsim.scenario import load_scenarios, parse_scenarios
+
+ROOT = Path(__file__).resolve().parents[1]
+KNOWN_CLASSES = {"handshake_failed", "transfer_setup_failed", "transfer_failed",
+                 "transfer_exception", "remote_disconnect", "stall", "freed_while_reading"}
+
+
+def _one(text: str):
+    (scenario,) = parse_scenarios(text)
+    return run_scenario(scenario)
+
+
+def test_soak_invariants_hold_and_are_deterministic() -> None:
+    (scenario,) = load_scenarios(ROOT / "scenarios/soak/mixed-faults.toml")
+    first = run_scenario(scenario)
+    data = result_json(first)
+    assert data["requests"]["hung"] == 0
+    assert first.corrupted == 0 and data["requests"]["mismatched_bytes"] == 0
+    assert data["leaks"] == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0}
+    assert data["counters"]["faults_injected"] > 20
+    assert 0 < data["requests"]["failed"] < data["requests"]["total"]
+    assert {f["class"] for f in data["failures"]} <= KNOWN_CLASSES
+    again = result_json(run_scenario(scenario))
+    assert json.dumps(again, sort_keys=True) == json.dumps(data, sort_keys=True)
+
+
+BASE = """
+[scenario]
+name = "lease"
+[model]
+preset = "tiny-kimi-linear"
+[prefill]
+tp = 1
+[decode]
+tp = 2
+[connector]
+mode = "{mode}"
+lease_seconds = {lease}
+transfer_timeout_seconds = 30.0
+[workload]
+requests = 1
+prompt_tokens = 900
+"""
+
+
+def test_heartbeats_keep_a_slow_transfer_alive() -> None:
+    # the transfer takes ~3 s on a link slowed 10^6 x; the lease is 1 s, but decode's heartbeats
+    # (every lease/6) keep moving prefill's deadline to now + 2/3 lease
+    slow = '[[faults]]\nkind = "slow-link"\nengine = "decode0"\nfactor = 1000000.0\n'
+    result = _one(BASE.format(mode="pull", lease=1.0) + slow)
+    (rec,) = result.records
+    assert rec.times["transfer_done"] - rec.times["transfer_start"] > 2.0
+    assert result.outcome == "ok", result.records[0].reason
+    assert not rec.freed_by_lease and result.counters["lease_expiries"] == 0
+
+
+def test_lease_shorter_than_transfer_is_a_failure_never_a_success() -> None:
+    early = '[[faults]]\nkind = "expire-lease-early"\nrequest = 0\nduration_seconds = 0.5\n'
+    slow = '[[faults]]\nkind = "slow-link"\nengine = "decode0"\nfactor = 1000000.0\n'
+    for mode in ("pull", "push"):
+        result = _one(BASE.format(mode=mode, lease=30.0) + early + slow)
+        (rec,) = result.records
+        assert rec.status == "failed" and rec.failure_class == "freed_while_reading", mode
+        assert result.leaks == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0}
+
+
+def test_late_notification_after_lease_expiry_is_ignored() -> None:
+    late = '[[faults]]\nkind = "delay-notification"\nrequest = 0\nduration_seconds = 6.0\n'
+    result = _one(BASE.format(mode="pull", lease=5.0) + late)
+    (rec,) = result.records
+    assert rec.status == "ok" and rec.mismatched_words == 0
+    assert rec.freed_by_lease
+    assert result.counters["late_notifications"] >= 1
+    assert result.leaks["prefill_blocks"] == 0
+
+
+def test_failures_on_several_ranks_are_reported_once() -> None:
+    # request 0 fails on both decode ranks (two transfers, two polls): one failure record
+    fail = '[[faults]]\nkind = "fail-transfer"\nrequest = 0\n'
+    result = _one(BASE.format(mode="pull", lease=5.0) + fail)
+    (rec,) = result.records
+    assert rec.status == "failed" and rec.failure_class == "transfer_failed"
+    assert len(result_json(result)["failures"]) == 1
+    assert rec.transfers == 2  # both ranks did post
+
+
+def test_recompute_policy_recovers_byte_exact() -> None:
+    text = BASE.format(mode="pull", lease=5.0).replace(
+        "transfer_timeout_seconds = 30.0",
+        'transfer_timeout_seconds = 30.0\nkv_load_failure_policy = "recompute"')
+    result = _one(text + '[[faults]]\nkind = "fail-transfer"\nrequest = 0\n')
+    (rec,) = result.records
+    assert rec.status == "ok" and rec.recovered_from == "transfer_failed"
+    assert rec.mismatched_words == 0
+
+
+def test_push_registration_round_trip_and_base_ids() -> None:
+    reg = PushRegistration(decode_request_id="req-3-0a0b", decode_engine="decode0", decode_tp=4,
+                           prefill_engine="prefill1", blocks={0: np.array([5, 6]),
+                                                              2: np.array([9])}, hit_blocks=1)
+    back = PushRegistration.decode(reg.encode())
+    assert back is not None and back.decode_request_id == "req-3-0a0b"
+    assert {g: ids.tolist() for g, ids in back.blocks.items()} == {0: [5, 6], 2: [9]}
+    assert base_request_id("req-3-0a0b") == "req-3" == base_request_id("req-3-ffff")
+    assert base_request_id("plain") == "plain"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_hostile_push_registrations_are_dropped_never_raised(payload: bytes) -> None:
+    result = PushRegistration.decode(PUSH_PREFIX + payload)
+    if result is not None:  # only a structurally valid registration is accepted
+        assert isinstance(result.decode_request_id, str) and result.decode_tp >= 1
+        assert all(ids.dtype == np.int64 and (ids >= 0).all() for ids in result.blocks.values())

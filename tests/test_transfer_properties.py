@@ -1,0 +1,122 @@
+"""Property tests: random valid deployments are byte-exact; random invalid ones are refused at
+handshake with the specific rule."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hkvsim.cluster import run_scenario
+from hkvsim.scenario import parse_scenarios
+
+TPS = st.sampled_from([1, 2, 4, 8])
+
+
+def _scenario(*, preset: str, p_tp: int, d_tp: int, mode: str, order: str, prompts: list[int],
+              extra_prefill: str = "", extra_decode: str = "", extra_connector: str = "",
+              seed: int = 0) -> str:
+    return f"""
+[scenario]
+name = "property"
+seed = {seed}
+[model]
+preset = "{preset}"
+[prefill]
+tp = {p_tp}
+{extra_prefill}
+[decode]
+tp = {d_tp}
+{extra_decode}
+[connector]
+mode = "{mode}"
+registration_order = "{order}"
+{extra_connector}
+[workload]
+requests = {len(prompts)}
+prompt_tokens = {prompts}
+"""
+
+
+@st.composite
+def valid_deployments(draw: st.DrawFn) -> str:
+    preset = draw(st.sampled_from(["tiny-kimi-linear", "tiny-qwen3-next", "tiny-deepseek",
+                                   "tiny-llama"]))
+    p_tp, d_tp = draw(TPS), draw(TPS)
+    mode = draw(st.sampled_from(["pull", "push"]))
+    extra_p = extra_d = ""
+    if preset == "tiny-deepseek" and draw(st.booleans()):  # MLA: a block size ratio is allowed
+        ratio = draw(st.sampled_from([1, 2, 4]))
+        extra_p = 'attention_backend = "triton-mla"\nblock_size = 16'
+        extra_d = f'attention_backend = "triton-mla"\nblock_size = {16 * ratio}'
+    elif preset in ("tiny-llama", "tiny-qwen3-next") and (
+            (mode == "pull" and p_tp <= d_tp) or p_tp == d_tp):
+        ratio = draw(st.sampled_from([1, 2, 4]))
+        extra_p, extra_d = "block_size = 16", f"block_size = {16 * ratio}"
+    prompts = draw(st.lists(st.integers(2, 1500), min_size=1, max_size=3))
+    return _scenario(preset=preset, p_tp=p_tp, d_tp=d_tp, mode=mode,
+                     order=draw(st.sampled_from(["state-first", "attention-first", "sorted"])),
+                     prompts=prompts, extra_prefill=extra_p, extra_decode=extra_d,
+                     seed=draw(st.integers(0, 1000)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_deployments())
+def test_random_valid_deployments_are_byte_exact(text: str) -> None:
+    (scenario,) = parse_scenarios(text)
+    result = run_scenario(scenario)
+    assert result.outcome == "ok", (result.handshake_errors,
+                                    [r.mismatches[:1] or r.reason for r in result.records])
+    assert result.mismatched_bytes == 0
+    assert all(r.mismatched_words == 0 and r.status == "ok" for r in result.records)
+    assert result.leaks == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0}
+
+
+@st.composite
+def invalid_deployments(draw: st.DrawFn) -> tuple[str, str]:
+    """(scenario text, the rule that must refuse it)."""
+    kind = draw(st.sampled_from(["V1", "V2", "V5", "V6", "V4", "hash"]))
+    mode = draw(st.sampled_from(["pull", "push"]))
+    order = draw(st.sampled_from(["state-first", "attention-first"]))
+    prompts = draw(st.lists(st.integers(2, 900), min_size=1, max_size=2))
+    if kind == "V1":
+        p_tp, d_tp = draw(st.sampled_from([(3, 2), (2, 3), (3, 4), (6, 4), (4, 6)]))
+        return _scenario(preset="tiny-deepseek", p_tp=p_tp, d_tp=d_tp, mode=mode, order=order,
+                         prompts=prompts), "V1"
+    if kind == "V2":
+        big = draw(st.sampled_from([32, 64]))
+        small = draw(st.sampled_from([b for b in (16, 32) if b < big]))
+        return _scenario(preset="tiny-llama", p_tp=1, d_tp=1, mode=mode, order=order,
+                         prompts=prompts, extra_prefill=f"block_size = {big}",
+                         extra_decode=f"block_size = {small}"), "V2"
+    if kind == "V5":
+        tp = draw(TPS)
+        return _scenario(preset="tiny-llama", p_tp=tp, d_tp=tp, mode=mode, order=order,
+                         prompts=prompts, extra_prefill='kv_cache_layout = "NHD"'), "V5"
+    if kind == "V6":
+        p_tp, d_tp = draw(TPS), draw(TPS)
+        return _scenario(preset="tiny-kimi-linear", p_tp=p_tp, d_tp=d_tp, mode=mode, order=order,
+                         prompts=prompts, extra_prefill='cache_dtype = "fp8"',
+                         extra_connector="enforce_handshake_compat = false"), "V6"
+    if kind == "V4":
+        p_tp, d_tp = draw(st.sampled_from([(1, 2), (2, 1), (1, 4), (4, 8), (8, 2)]))
+        caching = "prefix_caching = true"
+        return _scenario(preset="tiny-kimi-linear", p_tp=p_tp, d_tp=d_tp, mode=mode, order=order,
+                         prompts=prompts, extra_prefill=caching, extra_decode=caching), "V4"
+    tp = draw(TPS)
+    return _scenario(preset="tiny-kimi-linear", p_tp=tp, d_tp=tp, mode=mode, order=order,
+                     prompts=prompts, extra_decode='cache_dtype = "fp8"'), "hash"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(invalid_deployments())
+def test_random_invalid_deployments_are_refused_with_the_rule(case: tuple[str, str]) -> None:
+    text, rule = case
+    (scenario,) = parse_scenarios(text)
+    result = run_scenario(scenario)
+    assert result.outcome == "handshake-error"
+    assert result.handshake_errors
+    marker = "compatibility hash mismatch" if rule == "hash" else f"{rule}: "
+    assert all(marker in e for e in result.handshake_errors), result.handshake_errors
+    assert all(r.status == "failed" and r.failure_class == "handshake_failed"
+               for r in result.records)
+    assert result.mismatched_bytes == 0
