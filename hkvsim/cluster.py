@@ -128,7 +128,7 @@ class RequestRecord:
     arrival: float
     prefill_engine: str = ""
     decode_engine: str = ""
-    status: str = "pending"  # ok | failed | pending (hung if still pending at the end)
+    status: str = "pending"  # ok | failed | aborted | pending (hung if pending at the end)
     failure_class: str | None = None
     reason: str | None = None
     descriptors: int = 0
@@ -163,6 +163,10 @@ class RunResult:
     @property
     def failed(self) -> int:
         return sum(r.status == "failed" for r in self.records)
+
+    @property
+    def aborted(self) -> int:
+        return sum(r.status == "aborted" for r in self.records)
 
     @property
     def completed(self) -> int:
@@ -218,6 +222,7 @@ class Engine:
         self.block_version = np.zeros(layout.num_logical_blocks, dtype=np.int64)
         self.loading: dict[str, tuple[str, str]] = {}  # decode rid -> (prefill engine, p rid)
         self.heartbeat: simpy.Process | None = None
+        self.last_used: dict[str, float] = {}  # remote engine -> last handshake use
 
     @property
     def tp(self) -> int:
@@ -258,7 +263,7 @@ class Cluster:
         self.handshake_errors: list[str] = []
         self.counters = {"lease_expiries": 0, "late_notifications": 0, "notifications": 0,
                          "malformed_registrations": 0, "notification_failures": 0,
-                         "recomputed": 0}
+                         "recomputed": 0, "handshakes": 0, "evictions": 0}
         self._pending_notifs: dict[tuple[str, str], dict[int, int]] = {}
         self._prefill_held: dict[tuple[str, str], tuple[Engine, dict[int, np.ndarray],
                                                         RequestRecord]] = {}
@@ -345,6 +350,15 @@ class Cluster:
             "open_handles": sum(w.transport.open_handles() for es in self.engines.values()
                                 for e in es for w in e.workers),
         }
+        for w in workers:  # clean shutdown (§9.4): everything released, memory deregistered
+            w.shutdown()
+        leftover: dict[str, int] = {}
+        for w in workers:
+            for k, v in w.transport.resources().items():
+                leftover[k] = leftover.get(k, 0) + v
+        leaks["after_shutdown"] = sum(leftover.values())
+        if leaks["after_shutdown"]:
+            log.warning("resources left after shutdown: %s", leftover)
         layouts = {role: es[0].layout for role, es in self.engines.items()}
         return RunResult(scenario=self.scenario, records=self.records,
                          handshake_errors=self.handshake_errors, leaks=leaks,
@@ -401,9 +415,21 @@ class Cluster:
         decode = self.engines["decode"][rec.index % len(self.engines["decode"])]
         rec.prefill_engine, rec.decode_engine = prefill.engine_id, decode.engine_id
         rec.times["start"] = env.now
-        p_rid, p_blocks = yield from self._prefill(rec, prefill)
+        abort = self.world.faults.abort_phase(rec.index) if self.world.faults else None
+        p_rid, p_blocks = yield from self._prefill(rec, prefill,
+                                                   finish_normally=abort != "on-prefill")
+        if abort == "on-prefill":  # prefill finished abnormally: no lease, blocks dropped
+            self._abort(rec, abort)
+            return
         versions = {g: prefill.block_version[ids].copy() for g, ids in p_blocks.items()}
-        job = yield from self._decode_allocate(rec, decode)
+        if abort == "before-scheduling":
+            job = DecodeJob(blocks={}, load={g.group_id: np.zeros(0, np.int64)
+                                             for g in decode.layout.groups},
+                            hit_blocks=0, load_tokens=rec.prompt_tokens - 1)
+        else:
+            job = yield from self._decode_allocate(rec, decode)
+        if abort == "during-handshake":
+            job.load = {g: ids[:0] for g, ids in job.load.items()}
         dead = [w.transport.name for w in decode.workers
                 if not self.world.is_alive(w.transport.name)]
         if dead:
@@ -412,11 +438,16 @@ class Cluster:
         else:
             self._start_loading(decode, rec, prefill, p_rid)
             transfer = self._push if self.scenario.connector.mode == "push" else self._pull
-            failure = yield from transfer(rec, prefill, decode, p_rid, p_blocks, job)
+            failure = yield from transfer(rec, prefill, decode, p_rid, p_blocks, job,
+                                          abort_mid_transfer=abort == "mid-transfer")
             decode.loading.pop(rec.request_id, None)
             if failure is None and rec.transfers:
                 failure = self._freed_while_reading(prefill, p_blocks, versions)
-        if failure is not None and not self._recover(rec, decode, job, failure):
+        if abort is not None:
+            # the empty receive (before scheduling / during the handshake) only notified
+            # prefill; an abandoned transfer was waited out before its blocks are freed
+            self._abort(rec, abort)
+        elif failure is not None and not self._recover(rec, decode, job, failure):
             self._fail(rec, *failure)
         if rec.status == "pending":
             self._post_process(prefill, decode, job)
@@ -424,6 +455,11 @@ class Cluster:
             rec.status = "ok"
             rec.times["done"] = env.now
         self._free(decode, job.blocks)
+
+    def _abort(self, rec: RequestRecord, phase: str) -> None:
+        if rec.status == "pending":
+            rec.status, rec.failure_class = "aborted", f"aborted {phase}"
+            rec.times["done"] = self.env.now
 
     def _freed_while_reading(self, prefill: Engine, p_blocks: dict[int, np.ndarray],
                              versions: dict[int, np.ndarray]) -> tuple[str, str] | None:
@@ -459,7 +495,7 @@ class Cluster:
         job.recomputed = True
         return True
 
-    def _prefill(self, rec: RequestRecord, prefill: Engine
+    def _prefill(self, rec: RequestRecord, prefill: Engine, *, finish_normally: bool = True
                  ) -> Generator[Any, Any, tuple[str, dict[int, np.ndarray]]]:
         """Allocate, compute (write the pattern) and finish under a lease. Models with state
         compute N-1 tokens (DOMAIN.md §6); the others all N."""
@@ -474,6 +510,9 @@ class Cluster:
                                      blocks=p_blocks, tokens=(0, n_tokens),
                                      state_step=n_tokens if layout.is_hybrid else None)
         key = (prefill.engine_id, p_rid)
+        if not finish_normally:  # only LENGTH_CAPPED / STOPPED requests get a lease (§8.1)
+            self._free(prefill, p_blocks)
+            return p_rid, p_blocks
         self._prefill_held[key] = (prefill, p_blocks, rec)
         self._pending_notifs[key] = {}
         lease = self.scenario.connector.lease_seconds
@@ -520,9 +559,12 @@ class Cluster:
                          load_tokens=load_tokens)
 
     def _pull(self, rec: RequestRecord, prefill: Engine, decode: Engine, p_rid: str,
-              p_blocks: dict[int, np.ndarray], job: "DecodeJob"
-              ) -> Generator[Any, Any, tuple[str, str] | None]:
-        """Pull (DOMAIN.md §8.1); returns None on success, else (failure class, reason)."""
+              p_blocks: dict[int, np.ndarray], job: "DecodeJob", *,
+              abort_mid_transfer: bool = False) -> Generator[Any, Any, tuple[str, str] | None]:
+        """Pull (DOMAIN.md §8.1); returns None on success, else (failure class, reason).
+
+        ``abort_mid_transfer``: decode abandons the request right after posting; its handles
+        are released only once terminal (DMA may be live), so its blocks wait for them."""
         env = self.env
         error = yield from self._connect(decode, prefill, rec)
         if error is not None:
@@ -538,6 +580,8 @@ class Cluster:
             immediate = w.start_read(read)
             if immediate is not None:
                 self._collect(rec.request_id, w.tp_rank, immediate)
+        if abort_mid_transfer:
+            self._abort(rec, "mid-transfer")
         timeout = self.scenario.connector.transfer_timeout_seconds
         yield done | env.timeout(timeout)
         rec.times["transfer_done"] = env.now
@@ -557,8 +601,8 @@ class Cluster:
         return None
 
     def _push(self, rec: RequestRecord, prefill: Engine, decode: Engine, p_rid: str,
-              p_blocks: dict[int, np.ndarray], job: "DecodeJob"
-              ) -> Generator[Any, Any, tuple[str, str] | None]:
+              p_blocks: dict[int, np.ndarray], job: "DecodeJob", *,
+              abort_mid_transfer: bool = False) -> Generator[Any, Any, tuple[str, str] | None]:
         """Push (DOMAIN.md §8.2): decode registers its blocks with every prefill rank; prefill
         matches the registration to its finished request (either order), runs the reverse
         handshake and WRITEs; decode counts max(1, P_TP // D_TP) notifications per rank."""
@@ -571,8 +615,8 @@ class Cluster:
             yield simpy.AllOf(env, [self.fabric.handshake((decode.engine_id, 0),
                                                           (prefill.engine_id, t.tp_rank))
                                     for t in prefill.workers])
-            for w in prefill.workers:
-                first.transport.add_remote_agent(w.transport.get_agent_metadata())
+            first.connect_notify_only([w.transport.get_agent_metadata()
+                                       for w in prefill.workers])
             event.succeed(None)
         elif not event.triggered:
             yield event
@@ -590,6 +634,8 @@ class Cluster:
             except TransportError as exc:
                 self._push_waiters.pop(rec.request_id, None)
                 return (exc.kind, f"push registration not delivered: {exc}")
+        if abort_mid_transfer:  # decode abandons; prefill's WRITEs still land in its blocks
+            self._abort(rec, "mid-transfer")
         timeout = env.timeout(self.scenario.connector.transfer_timeout_seconds)
         yield done | timeout
         self._push_waiters.pop(rec.request_id, None)
@@ -792,8 +838,10 @@ class Cluster:
         concurrent requests wait for the same one. Returns the refusal, or None."""
         event = local.connections.get(remote.engine_id)
         if event is None:
+            self._evict_stale(local)
             event = self.env.event()
             local.connections[remote.engine_id] = event
+            self.counters["handshakes"] += 1
             start = self.env.now
             latencies = [self.fabric.handshake((local.engine_id, w.tp_rank),
                                                (remote.engine_id, t))
@@ -814,7 +862,21 @@ class Cluster:
             event.succeed(error)
         elif not event.triggered:
             yield event
+        local.last_used[remote.engine_id] = self.env.now
         return event.value
+
+    def _evict_stale(self, local: Engine) -> None:
+        """Evict remote engines idle past the TTL; checked only when a new handshake starts, so a
+        fixed pair never evicts a dead peer (DOMAIN.md §9.4)."""
+        ttl = self.scenario.connector.engine_ttl_seconds
+        for remote, last in list(local.last_used.items()):
+            event = local.connections.get(remote)
+            if self.env.now - last > ttl and event is not None and event.triggered:
+                for w in local.workers:
+                    w.evict(remote)
+                del local.connections[remote], local.last_used[remote]
+                self.counters["evictions"] += 1
+                log.info("%s evicted idle engine %s", local.engine_id, remote)
 
     @staticmethod
     def _targets(worker: ConnectorWorker, remote_tp: int) -> tuple[int, ...]:

@@ -10,7 +10,9 @@ kind                   effect
 =====================  ==========================================================================
 drop-notification      a transfer-completion / notification-only message is lost
 delay-notification     it arrives ``duration_seconds`` late (default 1 s)
-fail-transfer          the transfer ends in ERR (NIXL: the state is neither DONE nor PROC)
+fail-transfer          the transfer ends in ERR (phase "completion", default), posting it raises
+                       ("setup": transfer_setup_failed) or polling it raises ("poll":
+                       transfer_exception)
 stall-transfer         the transfer stays PROC for ``duration_seconds`` (default: forever for the
                        connector; the transport gives up after 10x the transfer timeout), then ERR
 disconnect-peer        the targeted rank's agent dies (at ``at_seconds``, or when the targeted
@@ -19,6 +21,7 @@ kill-rank              the same in the simulator (the real backend kills the pro
 slow-link              transfers of the targeted rank / window move at bandwidth / ``factor``
 expire-lease-early     prefill's lease for the targeted request expires after
                        ``duration_seconds`` (default 0): prefill frees while decode reads
+abort-request          the request is aborted at ``phase`` (handled by the cluster)
 =====================  ==========================================================================
 """
 
@@ -44,7 +47,7 @@ def request_index(text: str) -> int | None:
 
 @dataclass(frozen=True)
 class PostFault:
-    kind: str  # "fail" | "stall" | "slow"
+    kind: str  # "fail" | "fail-setup" | "fail-poll" | "stall" | "slow"
     seconds: float = 0.0  # stall duration
     factor: float = 1.0  # slow-link divisor
 
@@ -86,7 +89,8 @@ class FaultPlan:
                 continue
             self._count(f.kind)
             if f.kind == "fail-transfer":
-                return PostFault("fail")
+                return PostFault({"setup": "fail-setup", "poll": "fail-poll"}.get(
+                    f.phase or "completion", "fail"))
             if f.kind == "stall-transfer":
                 return PostFault("stall", seconds=f.duration_seconds or 10 * self.transfer_timeout)
             return PostFault("slow", factor=f.factor or 10.0)
@@ -134,6 +138,16 @@ class FaultPlan:
             if f.kind in ("disconnect-peer", "kill-rank") and f.at_seconds is not None:
                 out.extend((f.at_seconds, a) for a in agents if _agent_matches(a, f.engine, f.rank))
         return out
+
+    def abort_phase(self, request: int) -> str | None:
+        """Where the request is aborted, if an abort-request fault targets it."""
+        for i, f in enumerate(self.faults):
+            if f.kind == "abort-request" and (f.request is None or f.request == request):
+                if f.probability is not None and not self._rngs[i].random() < f.probability:
+                    continue
+                self._count(f.kind)
+                return f.phase or "mid-transfer"
+        return None
 
     def lease_for(self, request: int, default: float) -> float:
         for i, f in enumerate(self.faults):

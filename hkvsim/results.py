@@ -26,6 +26,9 @@ def expectation_problems(result: RunResult) -> list[str]:
         if outcome == "lease-expired":
             outcome = "ok"
     recomputed = sum(r.recovered_from is not None for r in result.records)
+    if expect.aborted_requests is not None and result.aborted != expect.aborted_requests:
+        problems.append(f"{result.aborted} aborted request(s), expected "
+                        f"{expect.aborted_requests}")
     if expect.recomputed is not None and recomputed != expect.recomputed:
         problems.append(f"{recomputed} request(s) recomputed, expected {expect.recomputed}")
     if result.hung:
@@ -101,6 +104,7 @@ def result_json(result: RunResult, *, requests: bool = False) -> dict[str, Any]:
             "total": len(recs),
             "completed": result.completed,
             "failed": result.failed,
+            "aborted": result.aborted,
             "hung": result.hung,
             "byte_exact": sum(r.status == "ok" and r.mismatched_words == 0 for r in recs)
             if result.scenario.workload.verify else None,

@@ -93,7 +93,11 @@ FAULT_KINDS = (
     "slow-link",
     "expire-lease-early",
     "kill-rank",
+    "abort-request",
 )
+# where a fail-transfer fault strikes, and where an abort-request happens
+FAULT_PHASES = ("completion", "setup", "poll", "on-prefill", "before-scheduling",
+                "during-handshake", "mid-transfer", "after-completion")
 _VALUE_REPR_CHARS = 60
 _ERR = "hkvsim_scenario"  # pydantic error type of every check written in this module
 
@@ -370,6 +374,8 @@ class ConnectorSection(_Section):
     transfer_timeout_seconds: PositiveFloat = 60.0
     enforce_handshake_compat: Bool = True
     descriptor_merge: Literal["off", "contiguous", "strided"] = "off"
+    # a remote engine idle this long is evicted when a new handshake starts (DOMAIN.md §9.4)
+    engine_ttl_seconds: PositiveFloat = 3600.0
     host_buffer: Bool = False
 
     @field_validator("quirks")
@@ -461,9 +467,21 @@ class Fault(_Section):
     probability: Annotated[float, Strict(), Field(ge=0, le=1)] | None = None
     duration_seconds: PositiveFloat | None = None
     factor: PositiveFloat | None = None
+    # fail-transfer: "completion" (state ERR, default), "setup" (creating/posting raises) or
+    # "poll" (polling raises); abort-request: "on-prefill", "before-scheduling",
+    # "during-handshake", "mid-transfer" (default) or "after-completion"
+    phase: Literal[FAULT_PHASES] | None = None  # type: ignore[valid-type]
 
     @model_validator(mode="after")
     def _targeted(self) -> Fault:
+        allowed = {"fail-transfer": FAULT_PHASES[:3], "abort-request": FAULT_PHASES[3:]}
+        if self.phase is not None and self.phase not in allowed.get(self.kind, ()):
+            raise _err(
+                f"phase {self.phase!r} does not apply to kind {self.kind!r}; allowed: "
+                f"{', '.join(allowed.get(self.kind, ())) or 'none'}",
+                key="phase",
+                show_input=False,
+            )
         targets = (self.request, self.rank, self.engine, self.at_seconds, self.probability)
         if all(t is None for t in targets):
             raise _err(
@@ -484,6 +502,7 @@ class Expect(_Section):
     # None: expect none for the requests that completed
     lease_expiries: Annotated[int, Strict(), Field(ge=0)] | None = None
     recomputed: Annotated[int, Strict(), Field(ge=0)] | None = None  # policy "recompute"
+    aborted_requests: Annotated[int, Strict(), Field(ge=0)] | None = None
 
     @model_validator(mode="after")
     def _matched(self) -> Expect:

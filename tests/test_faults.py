@@ -31,7 +31,8 @@ def test_soak_invariants_hold_and_are_deterministic() -> None:
     data = result_json(first)
     assert data["requests"]["hung"] == 0
     assert first.corrupted == 0 and data["requests"]["mismatched_bytes"] == 0
-    assert data["leaks"] == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0}
+    assert data["leaks"] == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0,
+                                  "after_shutdown": 0}
     assert data["counters"]["faults_injected"] > 20
     assert 0 < data["requests"]["failed"] < data["requests"]["total"]
     assert {f["class"] for f in data["failures"]} <= KNOWN_CLASSES
@@ -76,7 +77,8 @@ def test_lease_shorter_than_transfer_is_a_failure_never_a_success() -> None:
         result = _one(BASE.format(mode=mode, lease=30.0) + early + slow)
         (rec,) = result.records
         assert rec.status == "failed" and rec.failure_class == "freed_while_reading", mode
-        assert result.leaks == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0}
+        assert result.leaks == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0,
+                                  "after_shutdown": 0}
 
 
 def test_late_notification_after_lease_expiry_is_ignored() -> None:
@@ -127,3 +129,32 @@ def test_hostile_push_registrations_are_dropped_never_raised(payload: bytes) -> 
     if result is not None:  # only a structurally valid registration is accepted
         assert isinstance(result.decode_request_id, str) and result.decode_tp >= 1
         assert all(ids.dtype == np.int64 and (ids >= 0).all() for ids in result.blocks.values())
+
+
+def test_idle_engines_are_evicted_at_the_next_handshake_and_reconnected() -> None:
+    text = """
+[scenario]
+name = "eviction"
+seed = 5
+[model]
+preset = "tiny-kimi-linear"
+[prefill]
+instances = 2
+[decode]
+tp = 2
+[connector]
+engine_ttl_seconds = 0.5
+[workload]
+requests = 6
+prompt_tokens = 700
+arrival = "poisson"
+rate = 0.5
+"""
+    result = _one(text)
+    assert result.outcome == "ok"
+    assert all(r.mismatched_words == 0 for r in result.records)
+    # requests alternate between the two prefill engines, seconds apart: every new handshake
+    # finds the other engine idle past the TTL, evicts it, and the next request reconnects
+    assert result.counters["evictions"] >= 2
+    assert result.counters["handshakes"] == 2 + result.counters["evictions"]
+    assert result.leaks["after_shutdown"] == 0

@@ -53,6 +53,8 @@ def pair_attention(*, decode_ids: np.ndarray, prefill_ids: np.ndarray, decode_hi
     """
     d = np.asarray(decode_ids, dtype=np.int64)
     p = np.asarray(prefill_ids, dtype=np.int64)
+    if d.size == 0:  # an empty receive (full hit, or an abort): nothing to pair, notify only
+        return AttentionPairing(local=d, remote=p[:0])
     if decode_hit_units == 0 or front_trim_with_prefix:
         if heterogeneous_ppl and abs(d.size - p.size) > ppl_decode + ppl_prefill:
             raise PairingError(

@@ -123,6 +123,7 @@ class ConnectorWorker:
         self._in_flight: dict[str, _InFlight] = {}
         self._zombies: list[int] = []  # handles whose release failed (DMA may be live)
         self.notification_failures = 0
+        self._notify_agents: set[str] = set()
         self.state_regions = [i for i, r in enumerate(layout.regions)
                               if set(r.layers) & set(self.model.state_layers)]
 
@@ -446,10 +447,21 @@ class ConnectorWorker:
     def _make_xfer(self, op: str, local_list: DescriptorList, local_handle: int,
                    local_ids: np.ndarray, remote: _RemoteRank, remote_ids: np.ndarray,
                    notif: bytes) -> int:
-        """Create one transfer from paired descriptor ids (the reference's per-block plan:
-        prepared lists indexed by descriptor id)."""
-        return self.transport.make_prepped_xfer(op, local_handle, local_ids,
-                                                remote.remote_handle, remote_ids, notif)
+        """Create one transfer from paired descriptor ids.
+
+        ``descriptor_merge = "off"``: the reference's per-block plan, prepared lists indexed by
+        descriptor id. ``"contiguous"`` / ``"strided"``: the same pairs, merged into fewer
+        descriptors (connector/merge.py) and posted non-prepped (``Transport.make_xfer``); the
+        ids, the pairing and the bytes moved are unchanged."""
+        mode = self.settings.descriptor_merge
+        if mode == "off":
+            return self.transport.make_prepped_xfer(op, local_handle, local_ids,
+                                                    remote.remote_handle, remote_ids, notif)
+        from .merge import merge_descriptors
+
+        plan = merge_descriptors(local_list.descs[local_ids], remote.remote_list.descs[remote_ids],
+                                 mode)
+        return self.transport.make_xfer(op, plan.local, remote.agent, plan.remote, notif)
 
     def _release_quietly(self, handle: int) -> bool:
         """Release a handle; one that cannot be released yet is kept and retried on every poll
@@ -569,13 +581,32 @@ class ConnectorWorker:
     def remote_info(self, engine: str) -> Sequence[_RemoteRank]:
         return list(self._remotes.get(engine, {}).values())
 
+    def connect_notify_only(self, agent_metadata: Sequence[bytes]) -> None:
+        """Push: decode knows prefill's agents only to send notifications (no descriptors)."""
+        for blob in agent_metadata:
+            self._notify_agents.add(self.transport.add_remote_agent(blob))
+
+    def evict(self, engine: str) -> None:
+        """Drop a remote engine: its prepared lists and agents (stale-engine eviction)."""
+        for r in self._remotes.pop(engine, {}).values():
+            self.transport.release_dlist_handle(r.remote_handle)
+            self.transport.remove_remote_agent(r.agent)
+
     def shutdown(self) -> None:
-        for remotes in self._remotes.values():
-            for r in remotes.values():
-                self.transport.release_dlist_handle(r.remote_handle)
-                self.transport.remove_remote_agent(r.agent)
+        """Release every transfer handle, local/split/remote list and remote agent, then
+        deregister memory (DOMAIN.md §9.4). Handles still in flight are kept (not released)."""
+        for rid in list(self._in_flight):
+            self._terminate(rid)
+        self._reap_zombies()
+        for engine in list(self._remotes):
+            self.evict(engine)
+        for agent in self._notify_agents:
+            self.transport.remove_remote_agent(agent)
+        self._notify_agents.clear()
         for _, handle in list(self._local_lists.values()) + list(self._split_lists.values()):
             self.transport.release_dlist_handle(handle)
-        self._remotes.clear()
+        self._local_lists.clear()
+        self._split_lists.clear()
         if self.memory is not None:
             self.transport.deregister_memory(self.memory)
+            self.memory = None

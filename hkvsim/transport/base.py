@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 __all__ = ["DONE", "PROC", "ERR", "TransportError", "Memory", "XferTelemetry", "Transport",
-           "check_descriptor_array"]
+           "check_descriptor_array", "check_strided_array", "expand_strided"]
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
 OPS = ("READ", "WRITE")
@@ -68,6 +68,43 @@ def check_descriptor_array(descs: np.ndarray, *, what: str = "descriptor list") 
     return arr.astype(np.uint64, copy=False)
 
 
+def check_strided_array(descs: np.ndarray, *, what: str = "strided descriptor list") -> np.ndarray:
+    """Validate an (N, 5) strided array: rows (addr, len, dev, stride, count) naming ``count``
+    runs of ``len`` bytes at ``addr + i * stride`` (NIXL PR #1978; DOMAIN.md §11.3 item 4).
+    ``count`` >= 1, and ``stride`` >= ``len`` wherever count > 1 (runs never overlap)."""
+    arr = np.asarray(descs)
+    if arr.ndim != 2 or arr.shape[1] != 5:
+        raise TransportError(f"{what} must be an (N, 5) array of (addr, len, device, stride, "
+                             f"count); got shape {arr.shape}")
+    if arr.dtype.kind not in "ui":
+        raise TransportError(f"{what} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
+        raise TransportError(f"{what} holds a negative field")
+    arr = arr.astype(np.uint64, copy=False)
+    if arr.size and (arr[:, 4] < 1).any():
+        raise TransportError(f"{what}: a row has count 0")
+    multi = arr[:, 4] > 1
+    if (arr[multi, 3] < arr[multi, 1]).any():
+        raise TransportError(f"{what}: a row's stride is smaller than its length (runs overlap)")
+    return arr
+
+
+def expand_strided(rows: np.ndarray) -> np.ndarray:
+    """The (N, 3) (addr, len, device) runs an (M, 5) strided array names, row by row."""
+    arr = np.asarray(rows, dtype=np.uint64)
+    counts = arr[:, 4].astype(np.int64)
+    if counts.size and (counts == 1).all():
+        return np.ascontiguousarray(arr[:, :3])
+    row = np.repeat(np.arange(counts.size), counts)
+    within = (np.arange(int(counts.sum()), dtype=np.int64)
+              - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.uint64)
+    out = np.empty((row.size, 3), dtype=np.uint64)
+    out[:, 0] = arr[row, 0] + within * arr[row, 3]
+    out[:, 1] = arr[row, 1]
+    out[:, 2] = arr[row, 2]
+    return out
+
+
 @runtime_checkable
 class Transport(Protocol):
     """One agent per rank, shaped like ``nixl_agent``."""
@@ -94,6 +131,15 @@ class Transport(Protocol):
 
     def make_prepped_xfer(self, op: str, local_dlist: int, local_ids: np.ndarray, remote_dlist: int,
                           remote_ids: np.ndarray, notif: bytes = b"") -> int: ...
+
+    def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
+                  remote_descs: np.ndarray, notif: bytes = b"") -> int:
+        """A non-prepped transfer (NIXL ``initialize_xfer``): explicit descriptors on both
+        sides, paired by position, instead of ids into prepared lists. Either two (N, 3)
+        (addr, len, device) arrays, or two (N, 5) strided arrays (addr, len, device, stride,
+        count) with equal len and count per row (NIXL's strided form; a real backend prepares
+        them as strided lists and posts every run). Used by ``descriptor_merge``."""
+        ...
 
     def transfer(self, handle: int) -> str: ...
 

@@ -17,7 +17,18 @@ import msgpack
 import numpy as np
 import simpy
 
-from .base import DONE, ERR, OPS, PROC, Memory, TransportError, XferTelemetry, check_descriptor_array
+from .base import (
+    DONE,
+    ERR,
+    OPS,
+    PROC,
+    Memory,
+    TransportError,
+    XferTelemetry,
+    check_descriptor_array,
+    check_strided_array,
+    expand_strided,
+)
 from .memory import copy_ranges, lazy_buffer
 
 __all__ = ["SimWorld", "SimTransport"]
@@ -40,6 +51,8 @@ class _Xfer:
     timing: Any = None
     error: str | None = None
     error_kind: str = "transfer_failed"
+    rows: int | None = None  # make_xfer: descriptors (or strided rows) as posted
+    poll_raises: bool = False
 
 
 @dataclass(eq=False)
@@ -246,6 +259,44 @@ class SimTransport:
                                     notif=bytes(notif), nbytes=int(ll.sum()))
         return handle
 
+    def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
+                  remote_descs: np.ndarray, notif: bytes = b"") -> int:
+        """Non-prepped transfer (NIXL ``initialize_xfer``) from explicit (N, 3) descriptors, or
+        (N, 5) strided rows, on both sides. Posting is charged per run (each row of an (N, 3)
+        array, each of the ``count`` runs of a strided row): on the CPU VM strided lists cut
+        prep time but not post time (DOMAIN.md §10). Telemetry reports the rows posted."""
+        if op not in OPS:
+            raise TransportError(f"{self.name}: unknown op {op!r}; allowed: {', '.join(OPS)}")
+        if remote_agent not in self._remotes:
+            raise TransportError(f"{self.name}: make_xfer to unknown remote agent "
+                                 f"{remote_agent!r} (add_remote_agent first)")
+        la, ra = np.asarray(local_descs), np.asarray(remote_descs)
+        if la.ndim == 2 and la.shape[1] == 5:
+            lrows = check_strided_array(la, what=f"{self.name}: make_xfer local")
+            rrows = check_strided_array(ra, what=f"{self.name}: make_xfer remote")
+            if lrows.shape != rrows.shape or not np.array_equal(lrows[:, [1, 4]],
+                                                                rrows[:, [1, 4]]):
+                raise TransportError(f"{self.name}: strided rows differ in number, length or "
+                                     f"count between the local and the remote side")
+            ld, rd = expand_strided(lrows), expand_strided(rrows)
+        else:
+            ld = check_descriptor_array(la, what=f"{self.name}: make_xfer local")
+            rd = check_descriptor_array(ra, what=f"{self.name}: make_xfer remote")
+            if ld.shape != rd.shape:
+                raise TransportError(f"{self.name}: local and remote descriptor lists differ in "
+                                     f"length ({ld.shape[0]} vs {rd.shape[0]})")
+            if not np.array_equal(ld[:, 1], rd[:, 1]):
+                i = int(np.flatnonzero(ld[:, 1] != rd[:, 1])[0])
+                raise TransportError(f"{self.name}: descriptor pair {i} has local length "
+                                     f"{int(ld[i, 1])} but remote length {int(rd[i, 1])}")
+        ids = np.arange(ld.shape[0], dtype=np.int64)
+        handle = next(self._ids)
+        self._xfers[handle] = _Xfer(op=op, local=_DList(agent=self.name, descs=ld), local_ids=ids,
+                                    remote=_DList(agent=remote_agent, descs=rd), remote_ids=ids,
+                                    notif=bytes(notif), nbytes=int(ld[:, 1].sum()),
+                                    rows=int(la.shape[0]))
+        return handle
+
     def _xfer(self, handle: int) -> _Xfer:
         x = self._xfers.get(handle)
         if x is None:
@@ -278,6 +329,10 @@ class SimTransport:
                                          kind="remote_disconnect")
             fault = world.faults.on_post(now=world.env.now, initiator=self.name,
                                          remote=x.remote.agent, notif=x.notif)
+        if fault is not None and fault.kind == "fail-setup":
+            raise TransportError(f"{self.name}: injected failure posting transfer {handle}",
+                                 kind="transfer_setup_failed")
+        x.poll_raises = fault is not None and fault.kind == "fail-poll"
         x.state, x.submitted, x.timing, x.error = PROC, world.env.now, None, None
         me = world.agent(self.name)
         src, dst = (remote_agent, me) if x.op == "READ" else (me, remote_agent)
@@ -340,6 +395,10 @@ class SimTransport:
 
     def check_xfer_state(self, handle: int) -> str:
         x = self._xfer(handle)
+        if x.poll_raises and x.state != PROC:
+            x.poll_raises = False  # raises once, like a transient status-code exception
+            raise TransportError(f"{self.name}: injected exception polling transfer {handle}",
+                                 kind="transfer_exception")
         return x.state if x.state != "NEW" else PROC
 
     def xfer_failure(self, handle: int) -> tuple[str, str] | None:
@@ -358,6 +417,13 @@ class SimTransport:
 
     def open_handles(self) -> int:
         return sum(1 for x in self._xfers.values() if not x.released)
+
+    def resources(self) -> dict[str, int]:
+        """What this agent still holds (all zero after a clean shutdown)."""
+        return {"transfer_handles": self.open_handles(),
+                "dlist_handles": sum(1 for d in self._dlists.values() if not d.released),
+                "remote_agents": len(self._remotes),
+                "registered_memory": len(self.world.agent(self.name).memories)}
 
     # ---- notifications -------------------------------------------------------------------
     def send_notif(self, agent: str, message: bytes) -> None:
@@ -378,10 +444,11 @@ class SimTransport:
         x = self._xfers[handle]
         t = x.timing
         if t is None:
-            return XferTelemetry(nbytes=x.nbytes, descriptors=int(x.local_ids.size),
+            return XferTelemetry(nbytes=x.nbytes, descriptors=x.rows if x.rows is not None
+                                 else int(x.local_ids.size),
                                  post_seconds=0.0, transfer_seconds=0.0, submitted=x.submitted,
                                  completed=None)
-        return XferTelemetry(nbytes=x.nbytes, descriptors=int(x.local_ids.size),
-                             post_seconds=t.post_end - t.post_start,
+        return XferTelemetry(nbytes=x.nbytes, descriptors=x.rows if x.rows is not None
+                             else int(x.local_ids.size), post_seconds=t.post_end - t.post_start,
                              transfer_seconds=t.done - t.post_end, submitted=t.submitted,
                              completed=t.done, path=tuple(t.path))

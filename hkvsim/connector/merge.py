@@ -1,0 +1,202 @@
+"""Descriptor merging: post fewer descriptors for the same bytes (``[connector] descriptor_merge``).
+
+The reference connector posts one descriptor per (region, kernel block) and per (state
+sub-region, slot): a 64k-token KimiLinear request is ~7,000 descriptors per rank, and the
+published cliffs (DOMAIN.md §10: 112K descriptors per rank-transfer, posting 57 % of the transfer
+time) come from that per-block plan. This module turns a transfer's paired descriptors into a
+shorter plan that moves exactly the same (local byte, remote byte) pairs:
+
+``"contiguous"``
+    Consecutive pairs whose runs continue each other on **both** sides (``addr[i+1] ==
+    addr[i] + len[i]`` locally and remotely, same device) become one longer descriptor. Adjacent
+    kernel blocks of one region are contiguous (the MLA view's stride is its block length), so a
+    request whose blocks were allocated consecutively collapses to about one descriptor per
+    region; equal-TP state sub-regions (conv Q|K|V|recurrent) collapse to one per page.
+
+``"strided"``
+    NIXL's strided form (DOMAIN.md §11.3 item 4, NIXL PR #1978): rows ``(addr, len, dev,
+    stride, count)`` naming ``count`` runs of ``len`` bytes, ``stride`` apart. The contiguous
+    merge runs first; then consecutive rows of equal length whose addresses advance by one
+    constant stride on each side (the strides may differ between the sides) become one row.
+    This catches what contiguity cannot: head slices of SPLIT attention blocks under
+    heterogeneous TP (local stride = block stride, remote stride = slice length) and the 3-read
+    conv pattern (remote stride = ``r`` x local size).
+
+Both are pure, vectorised functions of the two (N, 3) arrays; the per-block plan (ids into the
+prepared lists, DOMAIN.md §3.4) is computed first exactly as the reference does, so ids,
+pairing and every V-rule are untouched. The merged rows are posted through the non-prepped
+``Transport.make_xfer`` (NIXL's ``initialize_xfer``). A row never spans two devices and never
+changes which byte goes where; ``expand`` turns any plan back into per-run (N, 3) descriptors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..transport.base import expand_strided
+
+__all__ = ["MERGE_MODES", "MergedPlan", "merge_contiguous", "merge_strided", "merge_descriptors",
+           "expand", "byte_pairs"]
+
+MERGE_MODES = ("off", "contiguous", "strided")
+
+
+@dataclass(frozen=True, eq=False)
+class MergedPlan:
+    """A transfer's descriptors after merging: (M, 3) rows, or (M, 5) strided rows."""
+
+    local: np.ndarray
+    remote: np.ndarray
+
+    @property
+    def strided(self) -> bool:
+        return self.local.shape[1] == 5
+
+    @property
+    def rows(self) -> int:
+        """Descriptors (or strided rows) the plan posts."""
+        return int(self.local.shape[0])
+
+    @property
+    def runs(self) -> int:
+        """Contiguous runs the rows name (a strided row names ``count`` of them)."""
+        return int(self.local[:, 4].sum()) if self.strided else self.rows
+
+    @property
+    def nbytes(self) -> int:
+        if self.strided:
+            return int((self.local[:, 1] * self.local[:, 4]).sum())
+        return int(self.local[:, 1].sum())
+
+
+def _pairs(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    lo = np.asarray(local, dtype=np.uint64)
+    re = np.asarray(remote, dtype=np.uint64)
+    if lo.ndim != 2 or lo.shape[1] != 3 or re.shape != lo.shape:
+        raise ValueError(f"expected two (N, 3) descriptor arrays of equal shape, got {lo.shape} "
+                         f"and {re.shape}")
+    if not np.array_equal(lo[:, 1], re[:, 1]):
+        i = int(np.flatnonzero(lo[:, 1] != re[:, 1])[0])
+        raise ValueError(f"descriptor pair {i} has local length {int(lo[i, 1])} but remote "
+                         f"length {int(re[i, 1])}")
+    return lo, re
+
+
+def merge_contiguous(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge consecutive pairs that are contiguous on both sides (and on one device per side).
+
+    Returns new (M, 3) uint64 arrays, M <= N; order is kept (row k starts where the first pair
+    it absorbed started).
+    """
+    lo, re = _pairs(local, remote)
+    if lo.shape[0] <= 1:
+        return lo.copy(), re.copy()
+    lens = lo[:, 1]
+    joins = ((lo[1:, 0] == lo[:-1, 0] + lens[:-1]) & (re[1:, 0] == re[:-1, 0] + lens[:-1])
+             & (lo[1:, 2] == lo[:-1, 2]) & (re[1:, 2] == re[:-1, 2]))
+    if not joins.any():
+        return lo.copy(), re.copy()
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = np.add.reduceat(lens, starts)
+    out_l, out_r = lo[starts], re[starts]
+    out_l[:, 1] = merged
+    out_r[:, 1] = merged
+    return out_l, out_r
+
+
+def _strided_runs(l_addr: np.ndarray, r_addr: np.ndarray, lens: np.ndarray, l_dev: np.ndarray,
+                  r_dev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy left-to-right arithmetic runs: (first row, row count) of every run of >= 2 rows.
+
+    A run is consecutive rows of equal, non-zero length on one device per side whose addresses
+    advance by one constant stride >= the length on each side (no overlap).
+    """
+    dl = np.diff(l_addr.astype(np.int64))
+    dr = np.diff(r_addr.astype(np.int64))
+    n0 = lens[:-1].astype(np.int64)
+    valid = ((lens[1:] == lens[:-1]) & (lens[:-1] > 0) & (dl >= n0) & (dr >= n0)
+             & (l_dev[1:] == l_dev[:-1]) & (r_dev[1:] == r_dev[:-1]))
+    if not valid.any():
+        empty = np.zeros(0, np.int64)
+        return empty, empty
+    # maximal segments of equal, valid deltas ("delta runs"); delta i joins rows i and i+1
+    same = np.zeros(valid.size, dtype=bool)
+    same[1:] = valid[1:] & valid[:-1] & (dl[1:] == dl[:-1]) & (dr[1:] == dr[:-1])
+    starts = np.flatnonzero(valid & ~same)
+    # a delta run starting at delta a continues while ``same`` holds; it joins rows a..a+length
+    seg_id = np.cumsum(valid & ~same) - 1
+    run_len = np.bincount(seg_id[valid], minlength=starts.size)
+    firsts: list[int] = []
+    counts: list[int] = []
+    consumed = -1  # last row taken by the previous run
+    for a, m in zip(starts.tolist(), run_len.tolist()):
+        first = a + 1 if a <= consumed else a  # its first row already ends the previous run
+        last = a + m  # row index of the run's last row
+        if last - first < 1:
+            continue
+        firsts.append(first)
+        counts.append(last - first + 1)
+        consumed = last
+    return np.asarray(firsts, np.int64), np.asarray(counts, np.int64)
+
+
+def merge_strided(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Contiguous merge, then strided rows: returns two (M, 5) uint64 arrays of
+    (addr, len, dev, stride, count); a row with count 1 has stride = len."""
+    cl, cr = merge_contiguous(local, remote)
+    m = cl.shape[0]
+    firsts, counts = (_strided_runs(cl[:, 0], cr[:, 0], cl[:, 1], cl[:, 2], cr[:, 2]) if m > 1
+                      else (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+    cover = np.zeros(m + 1, dtype=np.int64)
+    np.add.at(cover, firsts, 1)
+    np.add.at(cover, firsts + counts, -1)
+    inside = np.cumsum(cover[:-1]) > 0
+    head = ~inside
+    head[firsts] = True
+    rows = np.flatnonzero(head)
+    count = np.ones(rows.size, dtype=np.uint64)
+    pos = np.searchsorted(rows, firsts)
+    count[pos] = counts.astype(np.uint64)
+    out = []
+    for side in (cl, cr):
+        r = np.empty((rows.size, 5), dtype=np.uint64)
+        r[:, :3] = side[rows]
+        r[:, 3] = side[rows, 1]
+        if firsts.size:
+            r[pos, 3] = side[firsts + 1, 0] - side[firsts, 0]
+        r[:, 4] = count
+        out.append(r)
+    return out[0], out[1]
+
+
+def merge_descriptors(local: np.ndarray, remote: np.ndarray, mode: str) -> MergedPlan:
+    """The plan a transfer posts under ``descriptor_merge = mode``."""
+    if mode == "contiguous":
+        return MergedPlan(*merge_contiguous(local, remote))
+    if mode == "strided":
+        return MergedPlan(*merge_strided(local, remote))
+    if mode == "off":
+        lo, re = _pairs(local, remote)
+        return MergedPlan(lo.copy(), re.copy())
+    raise ValueError(f"unknown descriptor_merge {mode!r}; allowed: {', '.join(MERGE_MODES)}")
+
+
+def expand(rows: np.ndarray) -> np.ndarray:
+    """Per-run (N, 3) descriptors of a plan's rows ((N, 3) rows are returned as they are)."""
+    arr = np.asarray(rows, dtype=np.uint64)
+    return expand_strided(arr) if arr.shape[1] == 5 else arr
+
+
+def byte_pairs(local: np.ndarray, remote: np.ndarray) -> np.ndarray:
+    """Every (local byte address, remote byte address) pair a plan moves, sorted, as an (B, 2)
+    array (a multiset: a byte moved twice appears twice). For tests; O(bytes)."""
+    lo, re = expand(local), expand(remote)
+    lens = lo[:, 1].astype(np.int64)
+    run = np.repeat(np.arange(lens.size), lens)
+    within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    pairs = np.stack([lo[run, 0].astype(np.int64) + within,
+                      re[run, 0].astype(np.int64) + within], axis=1)
+    order = np.lexsort((pairs[:, 1], pairs[:, 0]))
+    return pairs[order]
