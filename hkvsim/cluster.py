@@ -309,8 +309,9 @@ class Cluster:
         return max(1, share * per_request)
 
     def prefill_tokens(self, prompt: int) -> int:
-        """Tokens prefill computes: N-1 for models with state (§6), else N."""
-        return prompt - 1 if self.hybrid else prompt
+        """Tokens prefill computes: N-1 for models with state (§6), else N (quirk
+        phantom-token: N for every model)."""
+        return prompt - 1 if self.hybrid and "phantom-token" not in self.quirks else prompt
 
     def _suffix(self) -> str:
         """A random request-id suffix (the proxy gives P and D different ones), seeded."""
@@ -765,7 +766,7 @@ class Cluster:
                 w.regroup_heads(kernel, bsr)
 
     def prefill_tokens_for(self, prefill: Engine, job: "DecodeJob") -> int:
-        return job.load_tokens + (0 if prefill.layout.is_hybrid else 1)
+        return self.prefill_tokens(job.load_tokens + 1)
 
     def _lease(self, key: tuple[str, str], rec: RequestRecord) -> Generator:
         """Prefill holds a finished request's blocks until its notifications arrive or the

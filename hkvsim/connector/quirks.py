@@ -60,6 +60,13 @@ QUIRKS: dict[str, Quirk] = {
             symptom="state digests differ from prefill's (all zeros on decode)",
         ),
         Quirk(
+            name="phantom-token",
+            reproduces="prefill of a model with state computes all N prompt tokens instead of "
+            "N-1, and decode recomputes token N on top: the state absorbs the handoff token twice "
+            "(vLLM xfail_tp_qwen35_ssm_2p2d, ROCm/ATOM PR #2154)",
+            symptom="decode's received state is the state after N tokens, not N-1",
+        ),
+        Quirk(
             name="notify-with-decode-request-id",
             reproduces="pure-MLA P_TP > D_TP broadcast notifications carry decode's request id "
             "instead of prefill's",
