@@ -207,7 +207,8 @@ class Oracle:
                         n = int(bad.sum())
                         total += n
                         if len(found) < limit:
-                            found.append(self._explain_tokens(engine, rank, layer, toks, got, bad))
+                            found.append(self._explain_tokens(engine, rank, layer, toks, got, bad,
+                                                              want))
                 elif state_step is not None and ids.size:
                     page = self._state_page(memory, layout, layer, int(ids[-1]))
                     for kind, offset, n_local, n_global in self._state_parts(layout):
@@ -227,7 +228,7 @@ class Oracle:
         return total, found
 
     def _explain_tokens(self, engine: str, rank: int, layer: int, toks: np.ndarray,
-                        got: np.ndarray, bad: np.ndarray) -> Mismatch:
+                        got: np.ndarray, bad: np.ndarray, want: np.ndarray) -> Mismatch:
         per_token = bad.reshape(bad.shape[0], -1).any(axis=1)
         idx = np.flatnonzero(per_token)
         # first contiguous run of bad tokens
@@ -239,9 +240,24 @@ class Oracle:
         kind = "MLA" if self.model.attention.is_mla else "K/V"
         where = f"tokens {first_tok}..{last_tok}"
         extra = f" (and {idx.size - run.size} more tokens)" if idx.size > run.size else ""
+        got_text = self._describe_rows(int(flat_first[0]), int(flat_last[0]))
+        if not self.model.attention.is_mla:  # name the first wrong head / K-or-V word exactly
+            flat_bad = bad.reshape(-1)
+            first_bad = int(np.flatnonzero(flat_bad)[0])
+            got_text += (f"; first wrong word holds {self._locate(int(got.reshape(-1)[first_bad]))}"
+                         f" where {self._locate(int(want.reshape(-1)[first_bad]))} belongs")
         return Mismatch(engine=engine, rank=rank, layer=layer, kind=kind, where=where + extra,
-                        words=int(bad.sum()),
-                        got=self._describe_rows(int(flat_first[0]), int(flat_last[0])))
+                        words=int(bad.sum()), got=got_text)
+
+    def _locate(self, word: int) -> str:
+        """A GQA word's full coordinates: request, layer, K or V, token and head."""
+        if word == 0:
+            return "zeros"
+        pos = word & _POS_MASK
+        k = getattr(self.model.attention, "num_kv_heads", 1)
+        row, _ = divmod(pos, self.row_words)
+        token, head = divmod(row, k)
+        return f"{describe_word(word)} token {token} head {head}"
 
     def _token_of(self, word: int) -> int:
         pos = word & _POS_MASK
