@@ -82,6 +82,14 @@ class _RemoteRank:
 
 
 @dataclass(eq=False)
+class _PairedBlocks:
+    attention_prefill: np.ndarray  # prefill kernel-block ids
+    attention_decode: np.ndarray  # decode kernel (or sub-) block ids, paired by position
+    state_prefill: np.ndarray
+    state_decode: np.ndarray
+
+
+@dataclass(eq=False)
 class _InFlight:
     request_id: str
     handles: list[int]
@@ -243,49 +251,65 @@ class ConnectorWorker:
             return self._finish(req.request_id)
         return None
 
+    def _pair_blocks(self, *, prefill_blocks: Mapping[int, np.ndarray],
+                     decode_blocks: Mapping[int, np.ndarray], hit_blocks: int, ppl_p: int,
+                     ppl_d: int, bsr: int) -> "_PairedBlocks":
+        """Pair prefill's and decode's block ids group by group (DOMAIN.md §6-7), in the
+        descriptor-id units both lists use: prefill kernel blocks and decode (sub-)blocks.
+
+        Attention: logical ids expanded with each side's own ppl, decode's split into bsr
+        sub-blocks, paired by ``pair_attention``. State: paired slot by slot. The remote side's
+        ids are expanded with the remote ppl; quirk local-ppl-remote-expansion uses the local
+        one instead (the Qwen3.5 4P2D corruption).
+        """
+        quirks = self.settings.quirks
+        local_is_decode = self.role == "decode"
+        wrong_ppl = "local-ppl-remote-expansion" in quirks
+        p_expand = ppl_d if wrong_ppl and local_is_decode else ppl_p
+        d_expand = ppl_p if wrong_ppl and not local_is_decode else ppl_d
+        attn_p, attn_d, state_p, state_d = [], [], [], []
+        for group in self.layout.groups:
+            p_ids = np.asarray(prefill_blocks.get(group.group_id, ()), dtype=np.int64)
+            d_ids = np.asarray(decode_blocks.get(group.group_id, ()), dtype=np.int64)
+            if group.kind == "attention":
+                d_sub = expand_logical(d_ids, d_expand)
+                if bsr > 1:
+                    d_sub = to_sub_blocks(d_sub, bsr)
+                pairing = pair_attention(
+                    decode_ids=d_sub, prefill_ids=expand_logical(p_ids, p_expand),
+                    decode_hit_units=hit_blocks * ppl_d * bsr,
+                    # DOMAIN.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the
+                    # ppl are equal, end-trim. Otherwise front-trim" -- the same ppl test as
+                    # V4. A block size ratio is absorbed by decode's sub-block list (ids and hit
+                    # offset are in prefill-kernel units), so it is not a ppl difference.
+                    heterogeneous_ppl=self.model.is_hybrid and ppl_d != ppl_p,
+                    ppl_decode=ppl_d * bsr, ppl_prefill=ppl_p,
+                    front_trim_with_prefix="front-trim-with-prefix-cache" in quirks)
+                attn_p.append(pairing.remote)
+                attn_d.append(pairing.local)
+            else:
+                d_slots, p_slots = pair_state_slots(d_ids, p_ids)
+                state_p.append(p_slots)
+                state_d.append(d_slots)
+        empty = np.zeros(0, np.int64)
+        join = (lambda parts: np.concatenate(parts) if parts else empty)
+        paired = _PairedBlocks(attention_prefill=join(attn_p), attention_decode=join(attn_d),
+                               state_prefill=join(state_p), state_decode=join(state_d))
+        if "attention-only-transfer" in quirks:  # decode runs from zeroed state (ATOM #2154)
+            paired.state_prefill, paired.state_decode = empty, empty
+        return paired
+
     def _post_reads(self, req: ReadRequest, outcome: RequestOutcome) -> list[int]:
         remotes = self._remotes[req.remote_engine]
         first = next(iter(remotes.values()))
         bsr, plan = first.bsr, first.plan
-        ppl_d = self.layout.physical_blocks_per_logical
-        ppl_p = first.meta.physical_blocks_per_logical
         quirks = self.settings.quirks
-        expansion_ppl = ppl_d if "local-ppl-remote-expansion" in quirks else ppl_p
-        attn_local: list[np.ndarray] = []
-        attn_remote: list[np.ndarray] = []
-        state_local: list[np.ndarray] = []
-        state_remote: list[np.ndarray] = []
-        for group in self.layout.groups:
-            d_ids = np.asarray(req.decode_blocks.get(group.group_id, ()), dtype=np.int64)
-            p_ids = np.asarray(req.prefill_blocks.get(group.group_id, ()), dtype=np.int64)
-            if group.kind == "attention":
-                d_kernel = expand_logical(d_ids, ppl_d)
-                if bsr > 1:
-                    d_kernel = to_sub_blocks(d_kernel, bsr)
-                pairing = pair_attention(
-                    decode_ids=d_kernel, prefill_ids=expand_logical(p_ids, expansion_ppl),
-                    decode_hit_units=req.decode_hit_blocks * ppl_d * bsr,
-                    # DOMAIN.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the
-                    # ppl are equal, end-trim. Otherwise front-trim" -- the same ppl test as
-                    # V4. A block size ratio is absorbed by D's sub-block list (ids and hit
-                    # offset are in P-kernel units), so it must not count as heterogeneous
-                    # ppl: `ppl_d * bsr != ppl_p` made every bsr > 1 prefix hit fail with
-                    # PairingError (non-hybrids, and hybrids whose ppl V4 had accepted).
-                    heterogeneous_ppl=self.model.is_hybrid and ppl_d != ppl_p,
-                    ppl_decode=ppl_d * bsr, ppl_prefill=ppl_p,
-                    front_trim_with_prefix="front-trim-with-prefix-cache" in quirks)
-                attn_local.append(pairing.local)
-                attn_remote.append(pairing.remote)
-            else:
-                d_slots, p_slots = pair_state_slots(d_ids, p_ids)
-                state_local.append(d_slots)
-                state_remote.append(p_slots)
-        la = np.concatenate(attn_local) if attn_local else np.zeros(0, np.int64)
-        ra = np.concatenate(attn_remote) if attn_remote else np.zeros(0, np.int64)
-        ls = np.concatenate(state_local) if state_local else np.zeros(0, np.int64)
-        rs = np.concatenate(state_remote) if state_remote else np.zeros(0, np.int64)
-        if "attention-only-transfer" in quirks:
-            ls, rs = ls[:0], rs[:0]
+        paired = self._pair_blocks(
+            prefill_blocks=req.prefill_blocks, decode_blocks=req.decode_blocks,
+            hit_blocks=req.decode_hit_blocks, ppl_p=first.meta.physical_blocks_per_logical,
+            ppl_d=self.layout.physical_blocks_per_logical, bsr=bsr)
+        la, ra = paired.attention_decode, paired.attention_prefill
+        ls, rs = paired.state_decode, paired.state_prefill
         count = max(1, self.layout.tp // first.meta.tp_size)
         handles: list[int] = []
         for rank, remote in remotes.items():
@@ -361,34 +385,11 @@ class ConnectorWorker:
             raise AssertionError(
                 f"replicated-MLA WRITE expects a single target rank, mapping has "
                 f"{sorted(remotes)} (hybrid MLA+SSM with prefill TP {p_tp} < decode TP {d_tp})")
-        expansion_ppl = ppl_p if "local-ppl-remote-expansion" in quirks else ppl_d
-        attn_p, attn_d, state_p, state_d = [], [], [], []
-        for group in self.layout.groups:
-            p_ids = np.asarray(req.prefill_blocks.get(group.group_id, ()), dtype=np.int64)
-            d_ids = np.asarray(reg.blocks.get(group.group_id, ()), dtype=np.int64)
-            if group.kind == "attention":
-                d_sub = expand_logical(d_ids, expansion_ppl)
-                if bsr > 1:
-                    d_sub = to_sub_blocks(d_sub, bsr)
-                pairing = pair_attention(
-                    decode_ids=d_sub, prefill_ids=expand_logical(p_ids, ppl_p),
-                    decode_hit_units=reg.hit_blocks * ppl_d * bsr,
-                    heterogeneous_ppl=self.model.is_hybrid and ppl_d != ppl_p,
-                    ppl_decode=ppl_d * bsr, ppl_prefill=ppl_p,
-                    front_trim_with_prefix="front-trim-with-prefix-cache" in quirks)
-                attn_p.append(pairing.remote)
-                attn_d.append(pairing.local)
-            else:
-                d_slots, p_slots = pair_state_slots(d_ids, p_ids)
-                state_p.append(p_slots)
-                state_d.append(d_slots)
-        empty = np.zeros(0, np.int64)
-        la = np.concatenate(attn_p) if attn_p else empty
-        ra = np.concatenate(attn_d) if attn_d else empty
-        ls = np.concatenate(state_p) if state_p else empty
-        rs = np.concatenate(state_d) if state_d else empty
-        if "attention-only-transfer" in quirks:
-            ls, rs = empty, empty
+        paired = self._pair_blocks(
+            prefill_blocks=req.prefill_blocks, decode_blocks=reg.blocks,
+            hit_blocks=reg.hit_blocks, ppl_p=ppl_p, ppl_d=ppl_d, bsr=bsr)
+        la, ra = paired.attention_prefill, paired.attention_decode
+        ls, rs = paired.state_prefill, paired.state_decode
         notif = f"{reg.decode_request_id}:{p_tp}".encode()
         targets = sorted(remotes)
         heads = self.model.attention.heads_per_rank
