@@ -1,10 +1,13 @@
 """The P/D run loop on the simulated fabric: workload, engines, ranks, driving the connector.
 
 Requests arrive; prefill allocates blocks, writes the oracle pattern (N-1 tokens for models with
-state) and finishes under a lease; decode allocates, handshakes lazily with the prefill engine,
-and every decode rank pulls through the connector core; prefill frees on the expected
-notifications (or the lease); decode verifies every byte against the oracle, computes token N and
-frees. Everything runs in simpy virtual time, deterministically.
+state) and finishes under a lease; decode allocates (applying its prefix hit) and the connector
+core moves the blocks: in pull every decode rank handshakes lazily and READs; in push decode
+registers its blocks and prefill, after its reverse handshake, WRITEs. Prefill frees on the
+expected notifications (or its WRITEs completing, or the lease); decode verifies every byte
+against the oracle, computes token N and frees. Faults (hkvsim/faults.py), leases, heartbeats,
+watchdogs, aborts and the recompute policy all act here. Everything runs in simpy virtual time,
+deterministically: the same scenario and seed give the same bytes and the same times.
 """
 
 from __future__ import annotations
