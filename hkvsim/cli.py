@@ -114,9 +114,10 @@ def _print_plan(console: Any, plan: dict[str, Any]) -> None:
 def _run_all(args: argparse.Namespace) -> list[Any]:
     from .cluster import run_scenario
 
-    if args.backend != "sim":
-        raise SystemExit(f"hkvsim: error: backend {args.backend!r} is not available in this "
-                         f"build; allowed: sim")
+    if args.backend == "nixl":  # real NIXL, one process per rank (hkvsim/backends)
+        from .backends.nixl_runner import run_for_cli
+
+        return run_for_cli(_load(args.file), timing_only=args.timing_only, progress=_progress)
     scenarios = _load(args.file)
     return [run_scenario(s, timing_only=args.timing_only)
             for s in _progress(scenarios, "running")]
@@ -187,6 +188,38 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return EXIT_OK if met else EXIT_EXPECTATION
 
 
+# ---- report ------------------------------------------------------------------------------------
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import build_report
+
+    command = ["hkvsim", "report", *args.inputs]
+    for flag, value in (("--out", args.out), ("--title", args.title)):
+        if value is not None:
+            command += [flag, repr(value) if " " in value else value]
+    if args.timing_only:
+        command.append("--timing-only")
+    for path in args.measured:
+        command += ["--measured", path]
+    try:
+        out = build_report(args.inputs, args.out, title=args.title, timing_only=args.timing_only,
+                           measured=args.measured, calibration_dir=args.calibration,
+                           command=" ".join(command))
+    except (ValueError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"hkvsim: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    print(f"wrote {out / 'report.md'} (figures, report.json and trace.json beside it)")
+    return EXIT_OK
+
+
+# ---- calibrate ---------------------------------------------------------------------------------
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .backends.calibrate import run_calibration_cli
+
+    return run_calibration_cli(args)
+
+
 # ---- listings ----------------------------------------------------------------------------------
 def cmd_presets(args: argparse.Namespace) -> int:
     from .geometry.layout import unify_pages
@@ -255,14 +288,46 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("file", help="scenario TOML file")
         p.add_argument("--json", action="store_true", help="machine-readable output")
-        p.add_argument("--backend", default="sim", choices=["sim"],
-                       help="transport backend (default: sim, the simulated fabric)")
+        p.add_argument("--backend", default="sim", choices=["sim", "nixl"],
+                       help="transport backend (default: sim, the simulated fabric; nixl: real "
+                            "NIXL agents, one process per rank, DRAM over UCX)")
         p.add_argument("--timing-only", action="store_true",
                        help="move no bytes and skip verification (as [workload] verify = false)")
         if name == "run":
             p.add_argument("--requests", action="store_true",
                            help="include per-request details in --json output")
         p.set_defaults(func=func, requests=False)
+
+    p = sub.add_parser("report", help="run scenarios (or read saved run results) and write a "
+                                      "markdown + PNG report and a Perfetto trace")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="scenario TOML file, directory of them (each file one family), or a "
+                        "saved `hkvsim run --json --requests` result")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (default: reports/<name of the first input>)")
+    p.add_argument("--title", default=None, help="page title")
+    p.add_argument("--timing-only", action="store_true",
+                   help="move no bytes and skip verification (large sweeps)")
+    p.add_argument("--measured", action="append", default=[], metavar="RESULT.json",
+                   help="saved `hkvsim run --json --requests` output of the same scenarios on a "
+                        "real backend: fills the measured columns (repeatable)")
+    p.add_argument("--calibration", default="reports/calibration", metavar="DIR",
+                   help="calibration data for the simulated-vs-measured plot (default: "
+                        "reports/calibration)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("calibrate", help="measure real NIXL transfers on this machine, fit the "
+                                         "fabric profile and report simulated vs measured")
+    p.add_argument("--profile-out", default=None, metavar="FILE",
+                   help="profile to write (default: hardware/profiles/cpu-ucx-loopback.toml)")
+    p.add_argument("--report-dir", default="reports/calibration", metavar="DIR",
+                   help="where the sweep table and points go (default: reports/calibration)")
+    p.add_argument("--budget", type=float, default=150.0, metavar="SECONDS",
+                   help="wall-clock budget of the sweep (default: 150)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small sweep (seconds), for smoke tests; writes nothing by default")
+    p.add_argument("--json", action="store_true", help="print the fit as JSON")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("presets", help="list the model presets and their key numbers")
     p.add_argument("--json", action="store_true")

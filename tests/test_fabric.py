@@ -699,14 +699,13 @@ def test_shipped_profile_numbers() -> None:
     pcie = load_profile("pcie-host")
     assert (pcie.placement, pcie.memory, pcie.intra_node_bandwidth) == ("pack", "DRAM", 50e9)
 
-    cpu = load_profile("cpu-ucx-loopback")
+    cpu = load_profile("cpu-ucx-loopback")  # measured here by `hkvsim calibrate`
     assert (cpu.placement, cpu.memory, cpu.transport) == ("pack", "DRAM", "cma")
-    assert 9e9 <= cpu.intra_node_bandwidth <= 12e9
-    assert 5e-6 <= cpu.per_descriptor <= 7e-6
-    assert cpu.handshake_latency >= 12e-3
-    assert "provisional" in cpu.description
     text = (PROFILE_DIR / "cpu-ucx-loopback.toml").read_text()
-    assert "provisional until `hkvsim calibrate` rewrites it" in text.lower()
+    assert "written by `hkvsim calibrate`" in text.lower()
+    assert 1e9 <= cpu.intra_node_bandwidth <= 50e9
+    assert 0.1e-6 <= cpu.per_descriptor <= 10e-6
+    assert cpu.handshake_latency > 0
 
 
 def test_shipped_profiles_cite_sources() -> None:

@@ -16,6 +16,7 @@ from hkvsim.connector.merge import (
     merge_contiguous,
     merge_descriptors,
     merge_strided,
+    region_index,
 )
 from hkvsim.scenario import parse_scenarios
 from hkvsim.transport.base import TransportError, check_strided_array, expand_strided
@@ -54,6 +55,20 @@ def test_runs_never_span_devices():
     remote = np.array([[0, 8, 0], [8, 8, 0]], dtype=np.uint64)
     assert merge_contiguous(local, remote)[0].shape[0] == 2
     assert merge_strided(local, remote)[0].shape[0] == 2
+
+
+def test_runs_never_span_registered_regions():
+    # two cache tensors back to back in memory: contiguous, but two registrations on each side
+    local = descs([(0, 8), (8, 8), (16, 8), (24, 8)])
+    remote = descs([(100, 8), (108, 8), (116, 8), (124, 8)])
+    regions = (region_index([0, 16], local[:, 0]), region_index([100, 116], remote[:, 0]))
+    assert regions[0].tolist() == [1, 1, 2, 2] and regions[1].tolist() == [1, 1, 2, 2]
+    assert merge_contiguous(local, remote)[0].tolist() == [[0, 32, 0]]
+    ml, mr = merge_contiguous(local, remote, regions)
+    assert ml.tolist() == [[0, 16, 0], [16, 16, 0]]
+    # and no strided row joins the two halves either
+    sl, _ = merge_strided(local, remote, regions)
+    assert sl[:, 4].tolist() == [1, 1]
 
 
 def test_strided_keeps_contiguous_runs_and_joins_equal_strides():
@@ -98,17 +113,27 @@ def _plans(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(_plans(), st.sampled_from(["contiguous", "strided"]))
-def test_merging_preserves_exactly_the_byte_pairs(plan, mode):
+@given(_plans(), st.sampled_from(["contiguous", "strided"]), st.booleans())
+def test_merging_preserves_exactly_the_byte_pairs(plan, mode, with_regions):
     local, remote = plan
-    merged = merge_descriptors(local, remote, mode)
+    # registered regions of 32 bytes on each side (no original descriptor crosses one)
+    regions = ((region_index(np.arange(0, 128, 32), local[:, 0]),
+                region_index(np.arange(1000, 1128, 32), remote[:, 0]))
+               if with_regions else None)
+    merged = merge_descriptors(local, remote, mode, regions)
     np.testing.assert_array_equal(byte_pairs(merged.local, merged.remote),
                                   byte_pairs(local, remote))
     assert merged.rows <= local.shape[0]
     assert merged.nbytes == int(local[:, 1].sum())
     if mode == "strided":  # strided rows are never more than the contiguous merge's
-        assert merged.rows <= merge_contiguous(local, remote)[0].shape[0]
-        assert merged.runs == merge_contiguous(local, remote)[0].shape[0]
+        contiguous = merge_contiguous(local, remote, regions)[0].shape[0]
+        assert merged.rows <= contiguous and merged.runs == contiguous
+    if with_regions:  # every merged run, and every strided row, stays inside one region
+        for rows, base in ((merged.local, 0), (merged.remote, 1000)):
+            r = rows.astype(np.int64)
+            first = r[:, 0] - base
+            span = (r[:, 4] - 1) * r[:, 3] + r[:, 1] if merged.strided else r[:, 1]
+            assert ((first // 32) == ((first + span - 1) // 32)).all()
 
 
 @settings(max_examples=100, deadline=None)
@@ -122,7 +147,8 @@ def test_nothing_contiguous_means_nothing_merged(starts):
 
 # ---- through the cluster: byte-exact, fewer descriptors ----------------------------------------
 def _scenario(*, model: str, p_tp: int, d_tp: int, mode: str = "pull", merge: str,
-              prompts: str = "[777, 64, 1501]", extra: str = "", workload: str = "") -> str:
+              prompts: str = "[777, 64, 1501]", extra: str = "", workload: str = "",
+              requests: int = 3) -> str:
     return f"""
 [scenario]
 name = "merge {model} P{p_tp} D{d_tp} {mode} {merge}"
@@ -139,7 +165,7 @@ mode = "{mode}"
 registration_order = "state-first"
 descriptor_merge = "{merge}"
 [workload]
-requests = 3
+requests = {requests}
 prompt_tokens = {prompts}
 {workload}
 """
@@ -199,6 +225,21 @@ def test_prefix_hit_and_block_size_ratio_are_byte_exact_merged():
     bsr = _scenario(model="tiny-llama", p_tp=1, d_tp=2, merge="strided",
                     extra="block_size = 16").replace("[decode]\n", "[decode]\nblock_size = 64\n")
     _run(bsr)
+
+
+def test_merged_descriptors_stay_inside_one_cache_tensor():
+    # pure MLA, one tensor per layer, allocated back to back; one request sized to fill every
+    # tensor, so the last block of a tensor touches the first block of the next on both sides:
+    # a contiguous plan still posts one descriptor per region (tensor), never one spanning two
+    # registrations
+    for merge in ("contiguous", "strided"):
+        text = _scenario(model="tiny-deepseek", p_tp=1, d_tp=1, merge=merge, requests=1,
+                         prompts="1501")
+        (s,) = parse_scenarios(text)
+        result = run_scenario(s)
+        assert result.outcome == "ok" and result.mismatched_bytes == 0
+        (rec,) = result.records
+        assert [t["descriptors"] for t in rec.telemetry] == [len(result.layouts["decode"].regions)]
 
 
 def test_nothing_contiguous_posts_as_many_descriptors():

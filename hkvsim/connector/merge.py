@@ -25,8 +25,11 @@ shorter plan that moves exactly the same (local byte, remote byte) pairs:
 Both are pure, vectorised functions of the two (N, 3) arrays; the per-block plan (ids into the
 prepared lists, DOMAIN.md §3.4) is computed first exactly as the reference does, so ids,
 pairing and every V-rule are untouched. The merged rows are posted through the non-prepped
-``Transport.make_xfer`` (NIXL's ``initialize_xfer``). A row never spans two devices and never
-changes which byte goes where; ``expand`` turns any plan back into per-run (N, 3) descriptors.
+``Transport.make_xfer`` (NIXL's ``initialize_xfer``). A row never spans two devices, never spans
+two registered regions (``regions``: the region index of every descriptor on each side; NIXL
+refuses a descriptor that crosses registrations, even where two cache tensors happen to be
+adjacent in memory) and never changes which byte goes where; ``expand`` turns any plan back
+into per-run (N, 3) descriptors.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import numpy as np
 from ..transport.base import expand_strided
 
 __all__ = ["MERGE_MODES", "MergedPlan", "merge_contiguous", "merge_strided", "merge_descriptors",
-           "expand", "byte_pairs"]
+           "expand", "byte_pairs", "region_index"]
 
 MERGE_MODES = ("off", "contiguous", "strided")
 
@@ -84,22 +87,43 @@ def _pairs(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return lo, re
 
 
-def merge_contiguous(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Merge consecutive pairs that are contiguous on both sides (and on one device per side).
+Regions = tuple[np.ndarray, np.ndarray] | None
+
+
+def _same_region(regions: Regions, n: int) -> np.ndarray | bool:
+    """Whether descriptor i and i+1 lie in the same registered region on both sides."""
+    if regions is None:
+        return True
+    lr, rr = (np.asarray(r) for r in regions)
+    if lr.shape != (n,) or rr.shape != (n,):
+        raise ValueError(f"regions must give one index per descriptor on each side ({n})")
+    return (lr[1:] == lr[:-1]) & (rr[1:] == rr[:-1])
+
+
+def _contiguous_starts(lo: np.ndarray, re: np.ndarray, regions: Regions) -> np.ndarray:
+    """Index of the first pair of every contiguous run (see merge_contiguous)."""
+    if lo.shape[0] <= 1:
+        return np.arange(lo.shape[0])
+    lens = lo[:, 1]
+    joins = ((lo[1:, 0] == lo[:-1, 0] + lens[:-1]) & (re[1:, 0] == re[:-1, 0] + lens[:-1])
+             & (lo[1:, 2] == lo[:-1, 2]) & (re[1:, 2] == re[:-1, 2])
+             & _same_region(regions, lo.shape[0]))
+    return np.flatnonzero(np.concatenate(([True], ~joins)))
+
+
+def merge_contiguous(local: np.ndarray, remote: np.ndarray, regions: Regions = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Merge consecutive pairs that are contiguous on both sides (and on one device and in one
+    registered region per side).
 
     Returns new (M, 3) uint64 arrays, M <= N; order is kept (row k starts where the first pair
     it absorbed started).
     """
     lo, re = _pairs(local, remote)
-    if lo.shape[0] <= 1:
+    starts = _contiguous_starts(lo, re, regions)
+    if starts.size == lo.shape[0]:
         return lo.copy(), re.copy()
-    lens = lo[:, 1]
-    joins = ((lo[1:, 0] == lo[:-1, 0] + lens[:-1]) & (re[1:, 0] == re[:-1, 0] + lens[:-1])
-             & (lo[1:, 2] == lo[:-1, 2]) & (re[1:, 2] == re[:-1, 2]))
-    if not joins.any():
-        return lo.copy(), re.copy()
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    merged = np.add.reduceat(lens, starts)
+    merged = np.add.reduceat(lo[:, 1], starts)
     out_l, out_r = lo[starts], re[starts]
     out_l[:, 1] = merged
     out_r[:, 1] = merged
@@ -107,7 +131,8 @@ def merge_contiguous(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray,
 
 
 def _strided_runs(l_addr: np.ndarray, r_addr: np.ndarray, lens: np.ndarray, l_dev: np.ndarray,
-                  r_dev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                  r_dev: np.ndarray, same_region: np.ndarray | bool = True
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Greedy left-to-right arithmetic runs: (first row, row count) of every run of >= 2 rows.
 
     A run is consecutive rows of equal, non-zero length on one device per side whose addresses
@@ -117,7 +142,7 @@ def _strided_runs(l_addr: np.ndarray, r_addr: np.ndarray, lens: np.ndarray, l_de
     dr = np.diff(r_addr.astype(np.int64))
     n0 = lens[:-1].astype(np.int64)
     valid = ((lens[1:] == lens[:-1]) & (lens[:-1] > 0) & (dl >= n0) & (dr >= n0)
-             & (l_dev[1:] == l_dev[:-1]) & (r_dev[1:] == r_dev[:-1]))
+             & (l_dev[1:] == l_dev[:-1]) & (r_dev[1:] == r_dev[:-1]) & same_region)
     if not valid.any():
         empty = np.zeros(0, np.int64)
         return empty, empty
@@ -142,12 +167,18 @@ def _strided_runs(l_addr: np.ndarray, r_addr: np.ndarray, lens: np.ndarray, l_de
     return np.asarray(firsts, np.int64), np.asarray(counts, np.int64)
 
 
-def merge_strided(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def merge_strided(local: np.ndarray, remote: np.ndarray, regions: Regions = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Contiguous merge, then strided rows: returns two (M, 5) uint64 arrays of
     (addr, len, dev, stride, count); a row with count 1 has stride = len."""
-    cl, cr = merge_contiguous(local, remote)
+    lo, re = _pairs(local, remote)
+    starts = _contiguous_starts(lo, re, regions)
+    cl, cr = merge_contiguous(lo, re, regions)
     m = cl.shape[0]
-    firsts, counts = (_strided_runs(cl[:, 0], cr[:, 0], cl[:, 1], cl[:, 2], cr[:, 2]) if m > 1
+    row_regions = None if regions is None else (np.asarray(regions[0])[starts],
+                                                np.asarray(regions[1])[starts])
+    firsts, counts = (_strided_runs(cl[:, 0], cr[:, 0], cl[:, 1], cl[:, 2], cr[:, 2],
+                                    _same_region(row_regions, m)) if m > 1
                       else (np.zeros(0, np.int64), np.zeros(0, np.int64)))
     cover = np.zeros(m + 1, dtype=np.int64)
     np.add.at(cover, firsts, 1)
@@ -171,16 +202,25 @@ def merge_strided(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np
     return out[0], out[1]
 
 
-def merge_descriptors(local: np.ndarray, remote: np.ndarray, mode: str) -> MergedPlan:
-    """The plan a transfer posts under ``descriptor_merge = mode``."""
+def merge_descriptors(local: np.ndarray, remote: np.ndarray, mode: str,
+                      regions: Regions = None) -> MergedPlan:
+    """The plan a transfer posts under ``descriptor_merge = mode`` (``regions``: the registered
+    region of every descriptor on each side; rows never span two)."""
     if mode == "contiguous":
-        return MergedPlan(*merge_contiguous(local, remote))
+        return MergedPlan(*merge_contiguous(local, remote, regions))
     if mode == "strided":
-        return MergedPlan(*merge_strided(local, remote))
+        return MergedPlan(*merge_strided(local, remote, regions))
     if mode == "off":
         lo, re = _pairs(local, remote)
         return MergedPlan(lo.copy(), re.copy())
     raise ValueError(f"unknown descriptor_merge {mode!r}; allowed: {', '.join(MERGE_MODES)}")
+
+
+def region_index(bases: "np.ndarray | list[int]", addrs: np.ndarray) -> np.ndarray:
+    """The registered region each address falls in, given every region's base address (regions
+    are disjoint, so a region extends at most to the next base)."""
+    b = np.sort(np.asarray(bases, dtype=np.uint64))
+    return np.searchsorted(b, np.asarray(addrs, dtype=np.uint64), side="right")
 
 
 def expand(rows: np.ndarray) -> np.ndarray:

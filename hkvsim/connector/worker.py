@@ -453,15 +453,19 @@ class ConnectorWorker:
         ``descriptor_merge = "off"``: the reference's per-block plan, prepared lists indexed by
         descriptor id. ``"contiguous"`` / ``"strided"``: the same pairs, merged into fewer
         descriptors (connector/merge.py) and posted non-prepped (``Transport.make_xfer``); the
-        ids, the pairing and the bytes moved are unchanged."""
+        ids, the pairing and the bytes moved are unchanged, and no merged descriptor spans two
+        registered regions (cache tensors) on either side."""
         mode = self.settings.descriptor_merge
         if mode == "off":
             return self.transport.make_prepped_xfer(op, local_handle, local_ids,
                                                     remote.remote_handle, remote_ids, notif)
-        from .merge import merge_descriptors
+        from .merge import merge_descriptors, region_index
 
-        plan = merge_descriptors(local_list.descs[local_ids], remote.remote_list.descs[remote_ids],
-                                 mode)
+        local = local_list.descs[local_ids]
+        remote_descs = remote.remote_list.descs[remote_ids]
+        regions = (region_index(self.metadata.base_addrs, local[:, 0]),
+                   region_index(remote.meta.base_addrs, remote_descs[:, 0]))
+        plan = merge_descriptors(local, remote_descs, mode, regions)
         return self.transport.make_xfer(op, plan.local, remote.agent, plan.remote, notif)
 
     def _release_quietly(self, handle: int) -> bool:

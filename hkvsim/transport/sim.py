@@ -33,6 +33,7 @@ from .memory import copy_ranges, lazy_buffer
 
 __all__ = ["SimWorld", "SimTransport"]
 
+_NO_IDS = np.zeros(0, dtype=np.int64)
 _ADDRESS_SPACE = 1 << 44  # each agent's memory lives in its own synthetic 16 TiB window
 
 
@@ -414,6 +415,11 @@ class SimTransport:
             raise TransportError(f"{self.name}: cannot release transfer {handle} while it is "
                                  f"active (DMA may be live)")
         x.released = True
+        # keep the record (a released handle must still be refused by name) but not its id
+        # arrays: long runs would otherwise hold every transfer's ids (memory ~ requests)
+        if x.rows is None:
+            x.rows = int(x.local_ids.size)
+        x.local_ids = x.remote_ids = _NO_IDS
 
     def open_handles(self) -> int:
         return sum(1 for x in self._xfers.values() if not x.released)

@@ -1,0 +1,197 @@
+"""``hkvsim report``: report.md, the PNG figures, report.json and a valid Chrome/Perfetto
+trace.json from a small sweep; deterministic; from a saved run; descriptor-merging section."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from hkvsim.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+SWEEP = """
+[scenario]
+name = "report test"
+seed = 3
+[model]
+preset = "tiny-kimi-linear"
+[connector]
+registration_order = "state-first"
+[workload]
+requests = 3
+prompt_tokens = [300, 1200, 2500]
+max_inflight = 1
+[sweep]
+connector.mode = ["pull", "push"]
+prefill.tp = [1, 2]
+decode.tp = [2, 4]
+"""
+
+MERGE = """
+[scenario]
+name = "merge test"
+seed = 3
+[model]
+preset = "tiny-kimi-linear"
+[prefill]
+tp = 2
+[decode]
+tp = 4
+[workload]
+requests = 2
+prompt_tokens = [700, 1501]
+[sweep]
+connector.descriptor_merge = ["off", "contiguous", "strided"]
+"""
+
+
+@pytest.fixture(scope="module")
+def sweep_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("report")
+    scenario = root / "small-sweep.toml"
+    scenario.write_text(SWEEP)
+    out = root / "out"
+    assert main(["report", str(scenario), "--out", str(out),
+                 "--calibration", str(root / "no-calibration")]) == 0
+    return scenario, out
+
+
+def test_report_writes_markdown_figures_and_trace(sweep_report: tuple[Path, Path]) -> None:
+    _, out = sweep_report
+    text = (out / "report.md").read_text()
+    for figure in ("transfer-vs-prompt.png", "tp-heatmap.png", "kv-vs-state.png",
+                   "time-breakdown.png", "link-utilisation.png"):
+        assert (out / figure).read_bytes()[:8] == PNG, figure
+        assert f"]({figure})" in text, figure
+    for heading in ("## Summary", "## Transfer time and descriptors vs prompt length",
+                    "## P TP x D TP", "## Attention KV vs recurrent state", "## Time breakdown",
+                    "## Link utilisation", "## Simulated vs measured", "## Trace"):
+        assert heading in text
+    assert "No calibration data" in text
+    assert not (out / "simulated-vs-measured.png").exists()
+    assert "All 8 variants moved real bytes" in text and text.startswith("# report test\n")
+
+
+def test_trace_is_valid_chrome_trace_of_every_transfer(sweep_report: tuple[Path, Path]) -> None:
+    _, out = sweep_report
+    trace = json.loads((out / "trace.json").read_text())
+    events = trace["traceEvents"]
+    assert isinstance(events, list) and events
+    for e in events:
+        assert e["ph"] in {"X", "b", "e", "C", "M"}
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        if e["ph"] != "M":
+            assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+    # every async begin has its end (same category, id and name), never before it
+    opened: dict[tuple, float] = {}
+    for e in events:
+        key = (e.get("cat"), e.get("id"), e["name"], e["pid"])
+        if e["ph"] == "b":
+            opened[key] = e["ts"]
+        elif e["ph"] == "e":
+            assert e["ts"] >= opened.pop(key)
+    assert not opened
+    # one posting slice per transfer of every request of every variant
+    report = json.loads((out / "report.json").read_text())
+    transfers = sum(r["transfers"] for v in report["variants"] for r in v["requests"])
+    assert transfers > 0
+    assert sum(e["ph"] == "X" and e["cat"] == "post" for e in events) == transfers
+    names = Counter(e["args"]["name"] for e in events if e["name"] == "process_name")
+    assert len(names) == 8 and set(names.values()) == {1}
+    assert any(e["ph"] == "C" for e in events)  # link counters
+
+
+def test_report_is_deterministic(sweep_report: tuple[Path, Path], tmp_path: Path) -> None:
+    scenario, out = sweep_report
+    again = tmp_path / "again"
+    assert main(["report", str(scenario), "--out", str(again),
+                 "--calibration", str(scenario.parent / "no-calibration")]) == 0
+    assert (again / "trace.json").read_bytes() == (out / "trace.json").read_bytes()
+    first, second = (json.loads((d / "report.json").read_text()) for d in (out, again))
+    assert first.pop("command") != second.pop("command")  # only the --out path differs
+    assert first == second
+    first = (out / "report.md").read_text().replace(str(out), "OUT")
+    second = (again / "report.md").read_text().replace(str(again), "OUT")
+    assert first == second
+
+
+def test_report_from_saved_run_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    scenario = tmp_path / "small.toml"
+    scenario.write_text(SWEEP)
+    assert main(["run", str(scenario), "--json", "--requests"]) == 0
+    saved = tmp_path / "saved.json"
+    saved.write_text(capsys.readouterr().out)
+    out = tmp_path / "from-json"
+    assert main(["report", str(saved), "--out", str(out),
+                 "--calibration", str(tmp_path / "none")]) == 0
+    text = (out / "report.md").read_text()
+    assert "## Transfer time and descriptors vs prompt length" in text
+    assert (out / "tp-heatmap.png").read_bytes()[:8] == PNG
+    assert not (out / "link-utilisation.png").exists()  # a saved run has no link segments
+    json.loads((out / "trace.json").read_text())
+
+
+def test_merge_comparison_and_measured_hook(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    family = tmp_path / "families"
+    family.mkdir()
+    (family / "tiny.toml").write_text(MERGE)
+    out = tmp_path / "merge"
+    assert main(["report", str(family), "--out", str(out),
+                 "--calibration", str(tmp_path / "none")]) == 0
+    text = (out / "report.md").read_text()
+    assert "## Descriptor merging" in text and "pending (NIXL backend" in text
+    assert (out / "descriptor-merging.png").read_bytes()[:8] == PNG
+    (fam,) = json.loads((out / "report.json").read_text())["descriptor_merging"]
+    modes = fam["modes"]
+    assert fam["family"] == "tiny"
+    assert modes["off"]["posted"] == modes["off"]["reference"]
+    assert modes["contiguous"]["reference"] == modes["off"]["reference"]
+    assert modes["strided"]["posted"] < modes["contiguous"]["posted"] < modes["off"]["posted"]
+    assert modes["contiguous"]["nbytes"] == modes["off"]["nbytes"]
+    assert all(m["byte_exact_variants"] == m["verified_variants"] == 1 for m in modes.values())
+    # the NIXL-backend hook: a saved run of the same scenarios fills the measured column
+    capsys.readouterr()
+    assert main(["run", str(family / "tiny.toml"), "--json", "--requests"]) == 0
+    measured = tmp_path / "measured.json"
+    measured.write_text(capsys.readouterr().out)
+    out2 = tmp_path / "merge-measured"
+    assert main(["report", str(family), "--out", str(out2), "--measured", str(measured),
+                 "--calibration", str(tmp_path / "none")]) == 0
+    text = (out2 / "report.md").read_text()
+    assert "pending (NIXL backend" not in text and "contiguous: " in text
+
+
+def test_calibration_points_are_plotted(sweep_report: tuple[Path, Path], tmp_path: Path) -> None:
+    scenario, _ = sweep_report
+    cal = tmp_path / "calibration"
+    cal.mkdir()
+    (cal / "points.json").write_text(json.dumps({"points": [
+        {"label": "a", "simulated_seconds": 0.002, "measured_seconds": 0.003},
+        {"label": "b", "simulated_seconds": 0.010, "measured_seconds": 0.009}]}))
+    out = tmp_path / "cal"
+    assert main(["report", str(scenario), "--out", str(out), "--calibration", str(cal)]) == 0
+    assert (out / "simulated-vs-measured.png").read_bytes()[:8] == PNG
+    assert "2 measured points" in (out / "report.md").read_text()
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["report", str(tmp_path / "missing.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hkvsim: error:") and err.count("\n") == 1
+
+
+def test_matplotlib_is_imported_only_by_the_report_plots() -> None:
+    code = ("import sys, hkvsim.cli, hkvsim.cluster, hkvsim.report; "
+            "assert 'matplotlib' not in sys.modules, 'matplotlib imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
