@@ -335,20 +335,8 @@ class ConnectorWorker:
                 rl.attention_ids(ra) if reads_attention else empty,
                 rl.state_ids(rs) if reads_state else empty])
             notif = f"{req.prefill_request_id}:{count}".encode()
-            handle = self._make_xfer("READ", local_list, local_handle, local_ids, remote,
-                                     remote_ids, notif)
-            handles.append(handle)
-            try:
-                self.transport.transfer(handle)
-            except TransportError:
-                self.transport.release_xfer_handle(handle)
-                handles.remove(handle)
-                for h in handles:
-                    self._release_quietly(h)
-                raise
-            outcome.descriptors += int(local_ids.size)
-            outcome.nbytes += int(local_list.descs[local_ids, 1].sum()) if local_ids.size else 0
-            outcome.transfers += 1
+            self._post("READ", local_list, local_handle, local_ids, remote, remote_ids, notif,
+                       handles, outcome)
         return handles
 
     # ---- push (prefill side) --------------------------------------------------------------
@@ -421,21 +409,29 @@ class ConnectorWorker:
             rl = remote.remote_list
             local_ids = np.concatenate([local_list.attention_ids(la), local_list.state_ids(ls)])
             remote_ids = np.concatenate([rl.attention_ids(ra), rl.state_ids(rs)])
-            handle = self._make_xfer("WRITE", local_list, local_handle, local_ids, remote,
-                                     remote_ids, notif)
-            handles.append(handle)
-            try:
-                self.transport.transfer(handle)
-            except TransportError:
-                self.transport.release_xfer_handle(handle)
-                handles.remove(handle)
-                for h in handles:
-                    self._release_quietly(h)
-                raise
-            outcome.descriptors += int(local_ids.size)
-            outcome.nbytes += int(local_list.descs[local_ids, 1].sum()) if local_ids.size else 0
-            outcome.transfers += 1
+            self._post("WRITE", local_list, local_handle, local_ids, remote, remote_ids, notif,
+                       handles, outcome)
         return handles
+
+    def _post(self, op: str, local_list: DescriptorList, local_handle: int,
+              local_ids: np.ndarray, remote: _RemoteRank, remote_ids: np.ndarray, notif: bytes,
+              handles: list[int], outcome: RequestOutcome) -> None:
+        """Create and post one transfer, adding it to ``handles``. If posting raises, this and
+        the request's earlier handles are released (kept if still live) and the error re-raised:
+        the request fails as a whole."""
+        handle = self._make_xfer(op, local_list, local_handle, local_ids, remote, remote_ids,
+                                 notif)
+        try:
+            self.transport.transfer(handle)
+        except TransportError:
+            self.transport.release_xfer_handle(handle)
+            for h in handles:
+                self._release_quietly(h)
+            raise
+        handles.append(handle)
+        outcome.descriptors += int(local_ids.size)
+        outcome.nbytes += int(local_list.descs[local_ids, 1].sum()) if local_ids.size else 0
+        outcome.transfers += 1
 
     def _notify(self, agent: str, message: bytes) -> None:
         """A notification-only message. A failure is counted, not raised: the peer frees the
