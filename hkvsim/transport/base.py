@@ -13,7 +13,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 __all__ = ["DONE", "PROC", "ERR", "TransportError", "Memory", "XferTelemetry", "Transport",
-           "check_descriptor_array", "check_strided_array", "expand_strided"]
+           "check_descriptor_array", "check_paired_ids", "check_strided_array",
+           "expand_strided"]
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
 OPS = ("READ", "WRITE")
@@ -103,6 +104,33 @@ def expand_strided(rows: np.ndarray) -> np.ndarray:
     out[:, 1] = arr[row, 1]
     out[:, 2] = arr[row, 2]
     return out
+
+
+def check_paired_ids(local_descs: np.ndarray, local_ids: np.ndarray, remote_descs: np.ndarray,
+                     remote_ids: np.ndarray, *, what: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """Validate a transfer's paired descriptor ids against two prepared lists: equal-length 1-D
+    id lists, every id inside its list, and equal lengths pair by pair (NIXL answers all of these
+    with a bare NOT_FOUND). Returns the int64 id arrays and the total bytes."""
+    li = np.ascontiguousarray(local_ids, dtype=np.int64)
+    ri = np.ascontiguousarray(remote_ids, dtype=np.int64)
+    if li.ndim != 1 or li.shape != ri.shape:
+        raise TransportError(f"{what}: local and remote id lists differ in length "
+                             f"({li.size} vs {ri.size})")
+    for ids, descs, side in ((li, local_descs, "local"), (ri, remote_descs, "remote")):
+        n = descs.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            bad = int(np.flatnonzero((ids < 0) | (ids >= n))[0])
+            raise TransportError(
+                f"{what}: {side} descriptor id out of range at index {bad} (id "
+                f"{int(ids[bad])}); ids span [{ids.min()}, {ids.max()}], the {side} list "
+                f"has {n} descriptors")
+    ll, rl = local_descs[li, 1], remote_descs[ri, 1]
+    if not np.array_equal(ll, rl):
+        i = int(np.flatnonzero(ll != rl)[0])
+        raise TransportError(f"{what}: descriptor pair {i} (local id {int(li[i])}, remote id "
+                             f"{int(ri[i])}) has local length {int(ll[i])} but remote length "
+                             f"{int(rl[i])}")
+    return li, ri, int(ll.sum())
 
 
 @runtime_checkable

@@ -52,6 +52,7 @@ from .base import (
     TransportError,
     XferTelemetry,
     check_descriptor_array,
+    check_paired_ids,
     check_strided_array,
     expand_strided,
 )
@@ -427,26 +428,10 @@ class NixlTransport:
         if not remote.agent:
             raise TransportError(f"{self.name}: invalid sides (a local list was passed as the "
                                  f"remote side)")
-        li = np.ascontiguousarray(local_ids, dtype=np.int64)
-        ri = np.ascontiguousarray(remote_ids, dtype=np.int64)
         what = f"{self.name}: {op} with {remote.agent}"
-        if li.ndim != 1 or li.shape != ri.shape:
-            raise TransportError(f"{what}: local and remote id lists differ in length "
-                                 f"({li.size} vs {ri.size})")
-        for ids, dl, side in ((li, local, "local"), (ri, remote, "remote")):
-            if ids.size and (ids.min() < 0 or ids.max() >= dl.descs.shape[0]):
-                bad = int(np.flatnonzero((ids < 0) | (ids >= dl.descs.shape[0]))[0])
-                raise TransportError(
-                    f"{what}: {side} descriptor id out of range at index {bad} (id "
-                    f"{int(ids[bad])}); ids span [{ids.min()}, {ids.max()}], the {side} list "
-                    f"has {dl.descs.shape[0]} descriptors")
-        ll, rl = local.descs[li, 1], remote.descs[ri, 1]
-        if not np.array_equal(ll, rl):
-            i = int(np.flatnonzero(ll != rl)[0])
-            raise TransportError(f"{what}: descriptor pair {i} (local id {int(li[i])}, remote id "
-                                 f"{int(ri[i])}) has local length {int(ll[i])} but remote length "
-                                 f"{int(rl[i])}")
-        x = _Xfer(op=op, local=local, remote=remote, n_desc=int(li.size), nbytes=int(ll.sum()),
+        li, ri, nbytes = check_paired_ids(local.descs, local_ids, remote.descs, remote_ids,
+                                          what=what)
+        x = _Xfer(op=op, local=local, remote=remote, n_desc=int(li.size), nbytes=nbytes,
                   notif=bytes(notif))
         if li.size:
             try:

@@ -26,6 +26,7 @@ from .base import (
     TransportError,
     XferTelemetry,
     check_descriptor_array,
+    check_paired_ids,
     check_strided_array,
     expand_strided,
 )
@@ -240,24 +241,11 @@ class SimTransport:
         local, remote = self._dlist(local_dlist, "local"), self._dlist(remote_dlist, "remote")
         if local.agent != self.name:
             raise TransportError(f"{self.name}: invalid sides (local list belongs to {local.agent})")
-        li = np.asarray(local_ids, dtype=np.int64)
-        ri = np.asarray(remote_ids, dtype=np.int64)
-        if li.shape != ri.shape or li.ndim != 1:
-            raise TransportError(f"{self.name}: local and remote id lists differ in length "
-                                 f"({li.size} vs {ri.size})")
-        for ids, dl, side in ((li, local, "local"), (ri, remote, "remote")):
-            if ids.size and (ids.min() < 0 or ids.max() >= dl.descs.shape[0]):
-                raise TransportError(
-                    f"{self.name}: {side} descriptor id out of range: ids span "
-                    f"[{ids.min()}, {ids.max()}], list has {dl.descs.shape[0]} descriptors")
-        ll, rl = local.descs[li, 1], remote.descs[ri, 1]
-        if not np.array_equal(ll, rl):
-            i = int(np.flatnonzero(ll != rl)[0])
-            raise TransportError(f"{self.name}: descriptor pair {i} has local length {int(ll[i])} "
-                                 f"but remote length {int(rl[i])}")
+        li, ri, nbytes = check_paired_ids(local.descs, local_ids, remote.descs, remote_ids,
+                                          what=f"{self.name}: {op} with {remote.agent}")
         handle = next(self._ids)
         self._xfers[handle] = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
-                                    notif=bytes(notif), nbytes=int(ll.sum()))
+                                    notif=bytes(notif), nbytes=nbytes)
         return handle
 
     def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
