@@ -158,3 +158,27 @@ rate = 0.5
     assert result.counters["evictions"] >= 2
     assert result.counters["handshakes"] == 2 + result.counters["evictions"]
     assert result.leaks["after_shutdown"] == 0
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=5),
+                    st.lists(st.integers(-2, 3), max_size=3),
+                    st.dictionaries(st.integers(-1, 3), st.lists(st.integers(-1, 9), max_size=3),
+                                    max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["decode_request_id", "decode_engine", "decode_tp",
+                                        "prefill_engine", "blocks", "hit_blocks", "extra"]),
+                       _VALUES, max_size=7))
+def test_structured_hostile_registrations_are_dropped_or_well_typed(body: dict) -> None:
+    import msgpack
+
+    result = PushRegistration.decode(PUSH_PREFIX + msgpack.packb(body, use_bin_type=True))
+    if result is None:
+        return
+    # accepted only with exactly the right keys and types
+    assert set(body) == {"decode_request_id", "decode_engine", "decode_tp", "prefill_engine",
+                         "blocks", "hit_blocks"}
+    assert isinstance(body["decode_tp"], int) and not isinstance(body["decode_tp"], bool)
+    assert result.decode_tp >= 1 and result.hit_blocks >= 0
+    assert all((ids >= 0).all() for ids in result.blocks.values())
