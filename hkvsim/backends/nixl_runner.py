@@ -348,14 +348,20 @@ class NixlCluster:
 
     @staticmethod
     def _check_faults(scenario: Scenario) -> list[Any]:
-        """The kill-rank faults; any other fault kind is refused (the real backend cannot
-        inject it, and silently ignoring it would make the run mean something else)."""
+        """The kill-rank faults (the coordinator kills processes). fail-transfer, stall-transfer
+        and drop-notification are injected inside the rank processes; any other kind is refused
+        (silently ignoring it would make the run mean something else)."""
+        from ..transport.faulty import WRAPPABLE_FAULTS
+
         kills = []
         for i, f in enumerate(scenario.faults):
             where = f"{scenario.where}: faults[{i}]"
+            if f.kind in WRAPPABLE_FAULTS:
+                continue  # injected inside the rank processes (hkvsim/transport/faulty.py)
             if f.kind != "kill-rank":
                 raise NixlRunError(f"{where}: fault kind {f.kind!r} is not supported by the nixl "
-                                   f"backend (supported: kill-rank); run it with --backend sim")
+                                   f"backend (supported: kill-rank, {', '.join(WRAPPABLE_FAULTS)})"
+                                   f"; run it with --backend sim")
             if f.probability is not None:
                 raise NixlRunError(f"{where}: kill-rank with a probability is not supported by "
                                    f"the nixl backend; target a request or at_seconds")
@@ -865,6 +871,19 @@ class NixlCluster:
             self._expire_lease(key, at=self._lease_deadline.get(key, self._now()))
 
     async def _stats(self) -> list[dict[str, Any]]:
+        """Every live rank's counters, once no rank still holds a handle it could not release
+        (an injected stall ends by itself: wait for it, bounded, as the simulator does)."""
+        timeout = self.scenario.connector.transfer_timeout_seconds
+        stalls = [f.duration_seconds or 10 * timeout for f in self.scenario.faults
+                  if f.kind == "stall-transfer"]
+        deadline = self._now() + (max(stalls) + 2.0 if stalls else 0.0)
+        while True:
+            out = await self._stats_once()
+            if not any(s.get("pending_releases", 0) for s in out) or self._now() >= deadline:
+                return out
+            await asyncio.sleep(0.05)
+
+    async def _stats_once(self) -> list[dict[str, Any]]:
         out = []
         for r in self.all_ranks:
             if r.dead is not None:

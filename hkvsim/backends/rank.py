@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import traceback
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -168,6 +169,9 @@ class RankProcess:
     def _close_transport(self) -> dict[str, int]:
         report: dict[str, int] = {}
         if self.worker is not None:
+            give_up = getattr(self.worker.transport, "give_up_stalls", None)
+            if give_up is not None:  # an injected stall ends with the run, as a UCX timeout would
+                give_up()
             try:
                 self.worker.shutdown()
             except Exception as exc:  # keep going: close() releases what shutdown could not
@@ -187,6 +191,8 @@ class RankProcess:
         from ..connector.worker import ConnectorSettings, ConnectorWorker
         from ..oracle import Oracle
         from ..scenario import Scenario
+        from ..faults import FaultPlan
+        from ..transport.faulty import WRAPPABLE_FAULTS, FaultInjectingTransport
         from ..transport.nixl import NixlConfig, NixlTransport
 
         scenario = Scenario.model_validate(f["scenario"])
@@ -207,8 +213,16 @@ class RankProcess:
             f"{self.engine}.{self.rank}",
             config=NixlConfig(progress_thread=f["progress_thread"], telemetry=f["telemetry"]),
             clock=lambda: time.time() - self.epoch)
+        connector_transport: Any = self.transport
+        injected = [x for x in scenario.faults if x.kind in WRAPPABLE_FAULTS]
+        if injected:  # fail / stall / drop faults, decided per transfer from the seeded plan
+            plan = FaultPlan(injected, seed=zlib.crc32(f"{scenario.scenario.seed}:{self.engine}."
+                                                       f"{self.rank}".encode()),
+                             transfer_timeout=conn.transfer_timeout_seconds)
+            connector_transport = FaultInjectingTransport(
+                self.transport, plan, clock=lambda: time.time() - self.epoch)
         self.worker = ConnectorWorker(engine_id=self.engine, role=role, tp_rank=self.rank,
-                                      layout=self.layout, transport=self.transport,
+                                      layout=self.layout, transport=connector_transport,
                                       settings=settings, device_id=f["device_id"])
         self.worker.register(mem_type=f["mem_type"])
         if f["precommit"] and self.worker.memory.mem_type == "DRAM":
@@ -224,7 +238,7 @@ class RankProcess:
     # ---- loop -----------------------------------------------------------------------------
     def _loop(self) -> int:
         while True:
-            busy = self.worker.in_flight() > 0
+            busy = self.worker.in_flight() > 0 or self.worker.pending_releases() > 0
             for message in self.chan.poll(_BUSY_POLL_S if busy else _IDLE_POLL_S):
                 if message.get("op") == "shutdown":
                     self._shutdown(message)
@@ -232,7 +246,7 @@ class RankProcess:
                 if message.get("op") == "die":  # the kill-rank fault on a rank of another node
                     os.kill(os.getpid(), signal.SIGKILL)
                 self._command(message)
-            if self.worker.in_flight():
+            if self.worker.in_flight() or self.worker.pending_releases():
                 for outcome in self.worker.poll():
                     self.chan.send({"op": "outcome", "outcome": _outcome_out(outcome)})
             messages = self.worker.take_messages()  # calls into NIXL every iteration
@@ -243,6 +257,9 @@ class RankProcess:
         seq = message.get("seq")
         leftover = 0
         if self.worker is not None:
+            give_up = getattr(self.worker.transport, "give_up_stalls", None)
+            if give_up is not None:  # an injected stall ends with the run, as a UCX timeout would
+                give_up()
             try:
                 self.worker.shutdown()
             except Exception as exc:
@@ -432,6 +449,7 @@ class RankProcess:
         fields(message, {})
         return {"open_handles": int(self.transport.open_handles()),
                 "in_flight": int(self.worker.in_flight()),
+                "pending_releases": int(self.worker.pending_releases()),
                 "notification_failures": int(self.worker.notification_failures)}
 
     def _op_clock(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -537,6 +537,11 @@ class ConnectorWorker:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def pending_releases(self) -> int:
+        """Handles of finished requests that could not be released yet (still live): the
+        driver must keep polling until they are."""
+        return len(self._zombies)
+
     # ---- notifications (prefill side) ----------------------------------------------------
     def take_messages(self) -> list[bytes]:
         """Every message that arrived since the last call, in arrival order per sender."""

@@ -162,8 +162,9 @@ reason = "remote_disconnect"
 def test_unsupported_fault_is_refused_before_starting() -> None:
     text = KIMI.format(mode="pull", p=1, d=1) + """
 [[faults]]
-kind = "drop-notification"
-request = 0
+kind = "slow-link"
+engine = "decode0"
+factor = 4.0
 """
     with pytest.raises(NixlRunError, match="not supported by the nixl backend"):
         run_scenario_nixl(_one(text))
