@@ -44,7 +44,8 @@ from .oracle import Oracle
 from .scenario import Scenario
 from .transport.sim import SimWorld
 
-__all__ = ["RequestRecord", "RunResult", "Engine", "Cluster", "engine_layout", "run_scenario"]
+__all__ = ["BlockAllocator", "RequestRecord", "RunResult", "Engine", "Cluster", "engine_layout",
+           "default_num_blocks", "freed_while_reading", "run_scenario"]
 
 log = logging.getLogger("hkvsim.cluster")
 
@@ -70,6 +71,31 @@ class BlockAllocator:
     @property
     def used(self) -> int:
         return self.num_blocks - len(self._free)
+
+
+def default_num_blocks(layout: EngineLayout, prompts: np.ndarray, *, max_inflight: int | None,
+                       instances: int) -> int:
+    """Enough logical blocks for an engine's share of the concurrently live requests (the
+    default when a scenario gives no num_blocks; both backends size pools this way)."""
+    live = max_inflight or len(prompts)
+    per_request = layout.blocks_for_tokens(int(prompts.max())) + len(layout.state_groups)
+    share = -(-min(live, len(prompts)) // instances)
+    return max(1, share * per_request)
+
+
+def freed_while_reading(engine_id: str, block_version: np.ndarray,
+                        blocks: dict[int, np.ndarray], versions: dict[int, np.ndarray]
+                        ) -> tuple[str, str] | None:
+    """The early-free race (DOMAIN.md §9.5 scenario 10): prefill freed (and maybe reused)
+    blocks before decode finished reading them. Detected by version stamps, so it is a failure
+    even when the stale bytes happen to still be right."""
+    for group, ids in blocks.items():
+        changed = ids[block_version[ids] != versions[group]]
+        if changed.size:
+            return ("freed_while_reading",
+                    f"prefill {engine_id} freed blocks {changed[:8].tolist()} of group {group} "
+                    f"while they were being transferred (lease expired early)")
+    return None
 
 
 def engine_model(model: ModelSpec, section: Any) -> ModelSpec:
@@ -291,7 +317,9 @@ class Cluster:
                 probe = engine_layout(self.model, section, num_blocks=1,
                                       registration_order=conn.registration_order,
                                       quirks=self.quirks)
-                blocks = section.num_blocks or self._default_blocks(probe, role, section.instances)
+                blocks = section.num_blocks or default_num_blocks(
+                    probe, self.prompts, max_inflight=self.scenario.workload.max_inflight,
+                    instances=section.instances)
                 layout = engine_layout(self.model, section, num_blocks=blocks,
                                        registration_order=conn.registration_order,
                                        quirks=self.quirks)
@@ -303,14 +331,6 @@ class Cluster:
                                            lambda e=engine, w=worker: self._on_activity(e, w))
 
     # ---- sizing ----------------------------------------------------------------------------
-    def _default_blocks(self, layout: EngineLayout, role: str, instances: int) -> int:
-        """Enough logical blocks for the engine's share of concurrently live requests."""
-        live = self.scenario.workload.max_inflight or len(self.prompts)
-        longest = int(self.prompts.max())
-        per_request = layout.blocks_for_tokens(longest) + len(layout.state_groups)
-        share = -(-min(live, len(self.prompts)) // instances)
-        return max(1, share * per_request)
-
     def prefill_tokens(self, prompt: int) -> int:
         """Tokens prefill computes: N-1 for models with state (§6), else N (quirk
         phantom-token: N for every model)."""
@@ -446,7 +466,8 @@ class Cluster:
                                           abort_mid_transfer=abort == "mid-transfer")
             decode.loading.pop(rec.request_id, None)
             if failure is None and rec.transfers:
-                failure = self._freed_while_reading(prefill, p_blocks, versions)
+                failure = freed_while_reading(prefill.engine_id, prefill.block_version,
+                                              p_blocks, versions)
         if abort is not None:
             # the empty receive (before scheduling / during the handshake) only notified
             # prefill; an abandoned transfer was waited out before its blocks are freed
@@ -464,19 +485,6 @@ class Cluster:
         if rec.status == "pending":
             rec.status, rec.failure_class = "aborted", f"aborted {phase}"
             rec.times["done"] = self.env.now
-
-    def _freed_while_reading(self, prefill: Engine, p_blocks: dict[int, np.ndarray],
-                             versions: dict[int, np.ndarray]) -> tuple[str, str] | None:
-        """The early-free race (DOMAIN.md §9.5 scenario 10): prefill freed (and maybe reused)
-        blocks before decode finished reading them. Detected by version stamps, so it is a
-        failure even when the stale bytes happen to still be right."""
-        for group, ids in p_blocks.items():
-            changed = ids[prefill.block_version[ids] != versions[group]]
-            if changed.size:
-                return ("freed_while_reading",
-                        f"prefill {prefill.engine_id} freed blocks {changed[:8].tolist()} of "
-                        f"group {group} while they were being transferred (lease expired early)")
-        return None
 
     def _recover(self, rec: RequestRecord, decode: Engine, job: "DecodeJob",
                  failure: tuple[str, str]) -> bool:

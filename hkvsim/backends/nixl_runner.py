@@ -61,7 +61,6 @@ import shutil
 import signal
 import tempfile
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from itertools import count
@@ -69,7 +68,14 @@ from typing import Any
 
 import numpy as np
 
-from ..cluster import RequestRecord, RunResult, engine_layout
+from ..cluster import (
+    BlockAllocator,
+    RequestRecord,
+    RunResult,
+    default_num_blocks,
+    engine_layout,
+    freed_while_reading,
+)
 from ..connector.blocks import expand_logical, to_sub_blocks
 from ..connector.push import PUSH_PREFIX, PushRegistration, base_request_id
 from ..connector.quirks import check_quirks
@@ -135,30 +141,6 @@ class NixlRunOptions:
 
 
 # ---- small helpers ------------------------------------------------------------------------------
-class _Allocator:
-    """A FIFO free list of logical block ids shared by every HMA group of an engine (the same
-    policy as the simulator's, so a scenario gets the same block ids on both backends)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def allocate(self, n: int) -> np.ndarray:
-        if n > len(self._free):
-            raise MemoryError(f"need {n} blocks, {len(self._free)} free of {self.num_blocks}")
-        return np.array([self._free.popleft() for _ in range(n)], dtype=np.int64)
-
-    def free(self, ids: np.ndarray) -> None:
-        self._free.extend(int(i) for i in ids)
-
-    @property
-    def used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "exit status unknown"
@@ -224,7 +206,7 @@ class _Engine:
     engine_id: str
     role: str
     layout: EngineLayout
-    allocator: _Allocator
+    allocator: BlockAllocator
     ranks: list[_Rank] = field(default_factory=list)
     freed: asyncio.Future | None = None
     connections: dict[str, asyncio.Future] = field(default_factory=dict)
@@ -308,13 +290,15 @@ class NixlCluster:
                 probe = engine_layout(self.model, section, num_blocks=1,
                                       registration_order=conn.registration_order,
                                       quirks=self.quirks)
-                blocks = section.num_blocks or self._default_blocks(probe, section.instances)
+                blocks = section.num_blocks or default_num_blocks(
+                    probe, self.prompts, max_inflight=self.scenario.workload.max_inflight,
+                    instances=section.instances)
                 layout = engine_layout(self.model, section, num_blocks=blocks,
                                        registration_order=conn.registration_order,
                                        quirks=self.quirks)
                 self.engines[role].append(_Engine(
                     engine_id=f"{role}{i}", role=role, layout=layout,
-                    allocator=_Allocator(blocks),
+                    allocator=BlockAllocator(blocks),
                     block_version=np.zeros(layout.num_logical_blocks, dtype=np.int64)))
         self.records: list[RequestRecord] = []
         self.handshake_errors: list[str] = []
@@ -370,14 +354,6 @@ class NixlCluster:
                                    f"backend (which process to kill)")
             kills.append(f)
         return kills
-
-    # ---- sizing (as the simulator) ---------------------------------------------------------
-    def _default_blocks(self, layout: EngineLayout, instances: int) -> int:
-        live = self.scenario.workload.max_inflight or len(self.prompts)
-        longest = int(self.prompts.max())
-        per_request = layout.blocks_for_tokens(longest) + len(layout.state_groups)
-        share = -(-min(live, len(self.prompts)) // instances)
-        return max(1, share * per_request)
 
     def prefill_tokens(self, prompt: int) -> int:
         return prompt - 1 if self.hybrid else prompt
@@ -924,7 +900,8 @@ class NixlCluster:
             finally:
                 decode.loading.pop(rec.request_id, None)
             if failure is None and rec.transfers:
-                failure = self._freed_while_reading(prefill, p_blocks, versions)
+                failure = freed_while_reading(prefill.engine_id, prefill.block_version,
+                                              p_blocks, versions)
             if failure is not None and not await self._recover(rec, decode, job, failure):
                 self._fail(rec, *failure)
             if rec.status == "pending":
@@ -934,18 +911,6 @@ class NixlCluster:
                 rec.times["done"] = self._now()
         finally:
             self._free(decode, job.blocks)
-
-    def _freed_while_reading(self, prefill: _Engine, p_blocks: dict[int, np.ndarray],
-                             versions: dict[int, np.ndarray]) -> tuple[str, str] | None:
-        """The early-free race (DOMAIN.md §9.5 scenario 10), by block version stamps."""
-        assert prefill.block_version is not None
-        for group, ids in p_blocks.items():
-            changed = ids[prefill.block_version[ids] != versions[group]]
-            if changed.size:
-                return ("freed_while_reading",
-                        f"prefill {prefill.engine_id} freed blocks {changed[:8].tolist()} of "
-                        f"group {group} while they were being transferred (lease expired early)")
-        return None
 
     async def _recover(self, rec: RequestRecord, decode: _Engine, job: _DecodeJob,
                        failure: tuple[str, str]) -> bool:
