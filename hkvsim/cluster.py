@@ -40,14 +40,17 @@ from .faults import FaultPlan
 from .geometry.layout import EngineLayout, build_layout
 from .geometry.presets import preset
 from .geometry.specs import GeometryError, ModelSpec
-from .oracle import Oracle
+from .oracle import OUTSIDE_BLOCKS, Oracle, blocks_touched
 from .scenario import Scenario
 from .transport.sim import SimWorld
 
 __all__ = ["BlockAllocator", "RequestRecord", "RunResult", "Engine", "Cluster", "engine_layout",
-           "default_num_blocks", "freed_while_reading", "run_scenario"]
+           "default_num_blocks", "engine_pool_blocks", "blocks_per_request",
+           "freed_while_reading", "run_scenario"]
 
 log = logging.getLogger("hkvsim.cluster")
+
+FREE_BLOCK = -1  # Engine.owner of a block in the free pool
 
 
 class BlockAllocator:
@@ -78,9 +81,43 @@ def default_num_blocks(layout: EngineLayout, prompts: np.ndarray, *, max_infligh
     """Enough logical blocks for an engine's share of the concurrently live requests (the
     default when a scenario gives no num_blocks; both backends size pools this way)."""
     live = max_inflight or len(prompts)
-    per_request = layout.blocks_for_tokens(int(prompts.max())) + len(layout.state_groups)
+    per_request = blocks_per_request(layout, int(prompts.max()))
     share = -(-min(live, len(prompts)) // instances)
     return max(1, share * per_request)
+
+
+def blocks_per_request(layout: EngineLayout, tokens: int) -> int:
+    """Logical blocks one request of ``tokens`` tokens takes from an engine's pool: its
+    attention blocks in every attention group plus one state slot per state group."""
+    return (layout.blocks_for_tokens(tokens) * len(layout.attention_groups)
+            + len(layout.state_groups))
+
+
+def engine_pool_blocks(scenario: Scenario, role: str, probe: EngineLayout, prompts: np.ndarray,
+                       *, prefill_tokens: int) -> int:
+    """The logical block count of one engine of ``role``: ``[role] num_blocks``, or a default
+    sized for its share of the live requests. A pool that cannot hold the largest request is
+    refused here (a run would wait for blocks forever): the error names the key, the value and
+    the minimum the workload needs. ``prefill_tokens`` is the largest request's token count on
+    this side (prefill computes N-1 tokens for models with state)."""
+    section = getattr(scenario, role)
+    tokens = prefill_tokens if role == "prefill" else int(prompts.max())
+    minimum = blocks_per_request(probe, tokens)
+    if section.num_blocks is None:
+        return max(minimum, default_num_blocks(probe, prompts,
+                                               max_inflight=scenario.workload.max_inflight,
+                                               instances=section.instances))
+    if section.num_blocks < minimum:
+        from .scenario import ScenarioError
+
+        raise ScenarioError(
+            f"{section.num_blocks} logical block(s) cannot hold the largest request "
+            f"({int(prompts.max())}-token prompt: {tokens} tokens on {role} need {minimum} "
+            f"blocks of {probe.logical_block_size} tokens across "
+            f"{len(probe.attention_groups)} attention and {len(probe.state_groups)} state "
+            f"group(s)); allowed: >= {minimum}", source=scenario.where,
+            key=f"{role}.num_blocks")
+    return section.num_blocks
 
 
 def freed_while_reading(engine_id: str, block_version: np.ndarray,
@@ -149,6 +186,18 @@ class _PushWait:
 
 
 @dataclass(kw_only=True)
+class _Quarantine:
+    """Decode blocks of a finished request held back from the pool while a transfer that may
+    still write into them is alive (released, or confirmed terminal, first)."""
+
+    rec: "RequestRecord"
+    decode: "Engine"
+    blocks: dict[int, np.ndarray]
+    prefill: "Engine"
+    prefill_request_id: str
+
+
+@dataclass(kw_only=True)
 class RequestRecord:
     index: int
     request_id: str
@@ -167,6 +216,8 @@ class RequestRecord:
     mismatches: list[str] = field(default_factory=list)
     freed_by_lease: bool = False
     recovered_from: str | None = None  # failure class recomputed under policy "recompute"
+    # requests whose late transfer bytes landed in this request's blocks after it was verified
+    overwritten_by: list[int] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)
     telemetry: list[dict[str, Any]] = field(default_factory=list)  # one entry per transfer
 
@@ -184,6 +235,7 @@ class RunResult:
     sim_seconds: float
     layouts: dict[str, EngineLayout]
     link_segments: list[Any] = field(default_factory=list)  # fabric LinkSegment records
+    misplaced_write_reports: list[str] = field(default_factory=list)  # the first few, explained
 
     @property
     def hung(self) -> int:
@@ -207,19 +259,39 @@ class RunResult:
 
     @property
     def corrupted(self) -> int:
-        """Requests the connector reported successful whose bytes are wrong."""
-        return sum(r.status == "ok" and r.mismatched_words > 0 for r in self.records)
+        """Requests the connector reported successful whose bytes are wrong (the oracle found
+        them wrong, or a late transfer overwrote them after they were verified)."""
+        return sum(r.status == "ok" and (r.mismatched_words > 0 or bool(r.overwritten_by))
+                   for r in self.records)
+
+    @property
+    def late_landings(self) -> int:
+        """Transfers whose bytes landed in blocks their request did not own at landing time."""
+        return int(self.counters.get("late_landings", 0))
+
+    @property
+    def stray_writes(self) -> int:
+        """Transfers posted into blocks their request did not hold (misaddressed writes)."""
+        return int(self.counters.get("stray_writes", 0))
 
     @property
     def outcome(self) -> str:
+        """The worst thing that happened. Silent corruption (a request reported successful with
+        wrong bytes, or bytes landing in blocks another request owns) outranks everything: it is
+        what this tool exists to catch."""
+        if self.corrupted or self.late_landings or self.stray_writes:
+            return "corruption"
+        return self.outcome_besides_corruption
+
+    @property
+    def outcome_besides_corruption(self) -> str:
+        """The outcome if wrong bytes were expected (``[expect] byte_exact = false``)."""
         if self.hung:
             return "hang"
         if self.handshake_errors:
             return "handshake-error"
         if self.failed:
             return "request-failure"
-        if self.corrupted:
-            return "corruption"
         if any(r.freed_by_lease for r in self.records):
             return "lease-expired"
         if any(self.leaks.values()):
@@ -249,6 +321,9 @@ class Engine:
         # version stamp per logical block, bumped on every free: a transfer that reads blocks
         # whose version changed under it read freed (maybe reused) memory
         self.block_version = np.zeros(layout.num_logical_blocks, dtype=np.int64)
+        # the request (index) each logical block is allocated to, FREE_BLOCK when in the pool:
+        # what the landing guard checks a transfer's destination blocks against
+        self.owner = np.full(layout.num_logical_blocks, FREE_BLOCK, dtype=np.int64)
         self.loading: dict[str, tuple[str, str]] = {}  # decode rid -> (prefill engine, p rid)
         self.heartbeat: simpy.Process | None = None
         self.last_used: dict[str, float] = {}  # remote engine -> last handshake use
@@ -306,6 +381,18 @@ class Cluster:
         self._write_outcomes: dict[tuple[str, str], dict[int, RequestOutcome]] = {}
         self._registration_ids: dict[tuple[str, str], str] = {}
         self._push_waiters: dict[str, _PushWait] = {}
+        # decode requests given up on (failed, timed out, aborted) in push: a registration for
+        # them must not be acted on any more; and WRITE processes not yet posted, per request
+        self._cancelled_pushes: set[str] = set()
+        self._writes_pending: dict[str, int] = {}
+        # decode blocks of finished requests that a transfer may still write into
+        self._quarantine: dict[str, _Quarantine] = {}
+        self._activity = self.env.event()  # succeeds (and is re-armed) on any rank activity
+        self._agents: dict[str, tuple[Engine, int]] = {}  # agent -> engine, memory base
+        self.counters["late_landings"] = 0
+        self.counters["stray_writes"] = 0
+        self.counters["quarantined_blocks"] = 0
+        self.misplaced_write_reports: list[str] = []
         for role in ("prefill", "decode"):
             section = getattr(scenario, role)
             settings = ConnectorSettings(mode=conn.mode, quirks=self.quirks,
@@ -317,9 +404,9 @@ class Cluster:
                 probe = engine_layout(self.model, section, num_blocks=1,
                                       registration_order=conn.registration_order,
                                       quirks=self.quirks)
-                blocks = section.num_blocks or default_num_blocks(
-                    probe, self.prompts, max_inflight=self.scenario.workload.max_inflight,
-                    instances=section.instances)
+                blocks = engine_pool_blocks(
+                    scenario, role, probe, self.prompts,
+                    prefill_tokens=self.prefill_tokens(int(self.prompts.max())))
                 layout = engine_layout(self.model, section, num_blocks=blocks,
                                        registration_order=conn.registration_order,
                                        quirks=self.quirks)
@@ -327,8 +414,11 @@ class Cluster:
                                 layout=layout, settings=settings)
                 self.engines[role].append(engine)
                 for worker in engine.workers:
+                    assert worker.memory is not None
+                    self._agents[worker.transport.name] = (engine, worker.memory.base_addr)
                     self.world.on_activity(worker.transport.name,
                                            lambda e=engine, w=worker: self._on_activity(e, w))
+        self.world.landing_guard = self._on_landing
 
     # ---- sizing ----------------------------------------------------------------------------
     def prefill_tokens(self, prompt: int) -> int:
@@ -373,6 +463,8 @@ class Cluster:
             "decode_blocks": sum(e.allocator.used for e in self.engines["decode"]),
             "open_handles": sum(w.transport.open_handles() for es in self.engines.values()
                                 for e in es for w in e.workers),
+            "quarantined_blocks": sum(sum(len(b) for b in q.blocks.values())
+                                      for q in self._quarantine.values()),
         }
         for w in workers:  # clean shutdown (§9.4): everything released, memory deregistered
             w.shutdown()
@@ -385,6 +477,7 @@ class Cluster:
             log.warning("resources left after shutdown: %s", leftover)
         layouts = {role: es[0].layout for role, es in self.engines.items()}
         return RunResult(scenario=self.scenario, records=self.records,
+                         misplaced_write_reports=self.misplaced_write_reports,
                          handshake_errors=self.handshake_errors, leaks=leaks,
                          counters=self.counters, sim_seconds=self._makespan(), layouts=layouts,
                          link_segments=self.fabric.link_segments())
@@ -404,8 +497,8 @@ class Cluster:
             self.world.faults.injected["disconnect-peer"] = self.world.faults.injected.get(
                 "disconnect-peer", 0) + 1
 
-    def _allocate(self, engine: Engine, n_attention: int) -> Generator[Any, Any,
-                                                                        dict[int, np.ndarray]]:
+    def _allocate(self, engine: Engine, n_attention: int, owner: int
+                  ) -> Generator[Any, Any, dict[int, np.ndarray]]:
         layout = engine.layout
         need = n_attention * len(layout.attention_groups) + len(layout.state_groups)
         while not engine.allocator.can_allocate(need):
@@ -414,6 +507,7 @@ class Cluster:
         for group in layout.groups:
             n = n_attention if group.kind == "attention" else 1
             blocks[group.group_id] = engine.allocator.allocate(n)
+            engine.owner[blocks[group.group_id]] = owner
         return blocks
 
     def _free(self, engine: Engine, blocks: dict[int, np.ndarray], *, stamp: bool = True
@@ -422,6 +516,7 @@ class Cluster:
         moving them is caught; only push's own completion (its WRITEs are DONE) skips it."""
         for ids in blocks.values():
             engine.allocator.free(ids)
+            engine.owner[ids] = FREE_BLOCK
             if stamp:
                 engine.block_version[ids] += 1
         old, engine.freed = engine.freed, self.env.event()
@@ -454,6 +549,14 @@ class Cluster:
             job = yield from self._decode_allocate(rec, decode)
         if abort == "during-handshake":
             job.load = {g: ids[:0] for g, ids in job.load.items()}
+        tail = self._zeroed_tail(prefill, decode, job)
+        if tail is not None and decode.oracle is not None:
+            # reused blocks hold an earlier tenant's bytes where nothing is transferred (the
+            # reference does not zero at allocation): the connector must zero them
+            for w in decode.workers:
+                assert w.memory is not None
+                decode.oracle.write_stale(w.memory.array, decode.layout, w.tp_rank, rec.index,
+                                          blocks=job.blocks, tokens=tail)
         dead = [w.transport.name for w in decode.workers
                 if not self.world.is_alive(w.transport.name)]
         if dead:
@@ -472,14 +575,86 @@ class Cluster:
             # the empty receive (before scheduling / during the handshake) only notified
             # prefill; an abandoned transfer was waited out before its blocks are freed
             self._abort(rec, abort)
-        elif failure is not None and not self._recover(rec, decode, job, failure):
+        elif failure is not None and not (yield from self._recover(rec, decode, job, failure,
+                                                                    prefill, p_rid)):
             self._fail(rec, *failure)
         if rec.status == "pending":
             self._post_process(prefill, decode, job)
-            self._verify_and_compute(rec, decode, job)
+            self._verify_and_compute(rec, decode, job, prefill)
             rec.status = "ok"
             rec.times["done"] = env.now
-        self._free(decode, job.blocks)
+        self._release_decode(rec, decode, job.blocks, prefill, p_rid)
+
+    # ---- releasing decode blocks safely ------------------------------------------------------
+    def _writers_live(self, rec: RequestRecord, decode: Engine, prefill: Engine,
+                      p_rid: str) -> bool:
+        """May a transfer still write into this request's decode blocks? Pull: a decode rank
+        still holds one of its READs (posted, or given up on but not releasable: DMA may be
+        live). Push: a prefill rank still holds one of its WRITEs, or is about to post one."""
+        if self.scenario.connector.mode == "push":
+            return (self._writes_pending.get(rec.request_id, 0) > 0
+                    or any(w.live_handles(p_rid) for w in prefill.workers))
+        return any(w.live_handles(rec.request_id) for w in decode.workers)
+
+    def _release_decode(self, rec: RequestRecord, decode: Engine, blocks: dict[int, np.ndarray],
+                        prefill: Engine, p_rid: str) -> None:
+        """Return a finished request's decode blocks to the pool -- unless a transfer may still
+        write into them: then they are quarantined until it can no longer (a block under a live
+        or unreleased transfer is never reused)."""
+        if self._writers_live(rec, decode, prefill, p_rid):
+            self._quarantine[rec.request_id] = _Quarantine(
+                rec=rec, decode=decode, blocks=blocks, prefill=prefill, prefill_request_id=p_rid)
+            self.counters["quarantined_blocks"] += sum(len(b) for b in blocks.values())
+            rec.times["quarantined"] = self.env.now
+            log.info("request %s: decode blocks quarantined (a transfer may still write them)",
+                     rec.request_id)
+            return
+        self._free(decode, blocks)
+
+    def _check_quarantine(self) -> None:
+        for rid, q in list(self._quarantine.items()):
+            if not self._writers_live(q.rec, q.decode, q.prefill, q.prefill_request_id):
+                del self._quarantine[rid]
+                q.rec.times["unquarantined"] = self.env.now
+                self._free(q.decode, q.blocks)
+
+    def _on_landing(self, agent: str, addrs: np.ndarray, lengths: np.ndarray, owner: Any,
+                    landed: bool) -> bool:
+        """A transfer is posted, or its bytes land: every destination block must belong to the
+        request the transfer was posted for. At posting, anything else is a stray write (the
+        connector aimed at blocks its request does not hold); at landing, a late landing (bytes
+        in a block freed, maybe reused, since). A request already verified whose blocks it hits
+        is corrupted after the fact. Returns True when something was flagged."""
+        if owner is None:
+            return False
+        engine, base = self._agents[agent]
+        run, blocks = blocks_touched(engine.layout, addrs - base, lengths)
+        owners = np.where(blocks == OUTSIDE_BLOCKS, OUTSIDE_BLOCKS - 1,
+                          engine.owner[np.maximum(blocks, 0)])
+        bad = owners != owner
+        if not bad.any():
+            return False
+        kind = "late_landings" if landed else "stray_writes"
+        self.counters[kind] += 1
+        victims = sorted({int(v) for v in owners[bad] if v >= 0})
+        where = [f"request {v}" for v in victims]
+        if (owners[bad] == FREE_BLOCK).any():
+            where.append("the free pool")
+        if (blocks[bad] == OUTSIDE_BLOCKS).any():
+            where.append("bytes outside every block")
+        verb = "landed in" if landed else "was posted into"
+        text = (f"a transfer for request {owner} {verb} "
+                f"{np.unique(blocks[bad & (blocks >= 0)]).size} block(s) of {agent} it does not "
+                f"own (held by {', '.join(where)})")
+        log.warning("%s: %s", "late landing" if landed else "stray write", text)
+        if len(self.misplaced_write_reports) < 16:
+            self.misplaced_write_reports.append(text)
+        for v in victims:
+            victim = self.records[v]
+            if victim.status == "ok":  # verified already: the late bytes corrupt it now
+                victim.overwritten_by.append(int(owner))
+                victim.mismatches.append(f"late landing: {text}")
+        return True
 
     def _abort(self, rec: RequestRecord, phase: str) -> None:
         if rec.status == "pending":
@@ -487,7 +662,8 @@ class Cluster:
             rec.times["done"] = self.env.now
 
     def _recover(self, rec: RequestRecord, decode: Engine, job: "DecodeJob",
-                 failure: tuple[str, str]) -> bool:
+                 failure: tuple[str, str], prefill: Engine, p_rid: str
+                 ) -> Generator[Any, Any, bool]:
         """kv_load_failure_policy = "recompute": decode recomputes the request itself. With HMA
         no invalid blocks are reported, and state cannot be re-zeroed, so the whole request is
         recomputed (DOMAIN.md §9.3)."""
@@ -495,6 +671,10 @@ class Cluster:
             return False
         if any(not self.world.is_alive(w.transport.name) for w in decode.workers):
             return False  # a dead decode rank cannot recompute anything
+        while self._writers_live(rec, decode, prefill, p_rid):
+            # a failed transfer may still write these blocks: recomputing now would be
+            # overwritten by its late bytes, so wait until none can land any more
+            yield self._activity
         rec.recovered_from = failure[0]
         self.counters["recomputed"] += 1
         if decode.oracle is not None:
@@ -513,7 +693,8 @@ class Cluster:
         compute N-1 tokens (DOMAIN.md §6); the others all N."""
         n_tokens = self.prefill_tokens(rec.prompt_tokens)
         layout = prefill.layout
-        p_blocks = yield from self._allocate(prefill, layout.blocks_for_tokens(n_tokens))
+        p_blocks = yield from self._allocate(prefill, layout.blocks_for_tokens(n_tokens),
+                                             rec.index)
         p_rid = f"{base_request_id(rec.request_id)}-{self._suffix()}"
         if prefill.oracle is not None:
             for w in prefill.workers:
@@ -547,7 +728,8 @@ class Cluster:
         checkpoint at its end, so nothing is transferred (notification only).
         """
         layout = decode.layout
-        blocks = yield from self._allocate(decode, layout.blocks_for_tokens(rec.prompt_tokens))
+        blocks = yield from self._allocate(decode, layout.blocks_for_tokens(rec.prompt_tokens),
+                                           rec.index)
         load_tokens = rec.prompt_tokens - 1
         hit_blocks = min(rec.prefix_hit_tokens, load_tokens) // layout.logical_block_size
         hit_tokens = hit_blocks * layout.logical_block_size
@@ -588,10 +770,14 @@ class Cluster:
         done = env.event()
         outcomes: dict[int, RequestOutcome] = {}
         self._decode_waiters[rec.request_id] = (done, outcomes, decode.tp)
-        for w in decode.workers:
-            immediate = w.start_read(read)
-            if immediate is not None:
-                self._collect(rec.request_id, w.tp_rank, immediate)
+        self.world.post_owner = rec.index
+        try:
+            for w in decode.workers:
+                immediate = w.start_read(read)
+                if immediate is not None:
+                    self._collect(rec.request_id, w.tp_rank, immediate)
+        finally:
+            self.world.post_owner = None
         if abort_mid_transfer:
             self._abort(rec, "mid-transfer")
         timeout = self.scenario.connector.transfer_timeout_seconds
@@ -645,6 +831,7 @@ class Cluster:
                 first.transport.send_notif(w.transport.name, message)
             except TransportError as exc:
                 self._push_waiters.pop(rec.request_id, None)
+                self._cancel_push(prefill, rec.request_id)
                 return (exc.kind, f"push registration not delivered: {exc}")
         if abort_mid_transfer:  # decode abandons; prefill's WRITEs still land in its blocks
             self._abort(rec, "mid-transfer")
@@ -653,8 +840,11 @@ class Cluster:
         self._push_waiters.pop(rec.request_id, None)
         rec.times["transfer_done"] = env.now
         if not done.triggered:
+            self._cancel_push(prefill, rec.request_id)
             return ("stall", f"push: no WRITE completed within "
                     f"{self.scenario.connector.transfer_timeout_seconds:g} s (decode watchdog)")
+        if done.value is not None:
+            self._cancel_push(prefill, rec.request_id)
         return done.value
 
     def _publish(self, prefill: Engine, p_rid: str, p_blocks: dict[int, np.ndarray],
@@ -664,11 +854,13 @@ class Cluster:
         key = (prefill.engine_id, base_request_id(p_rid))
         self._published[key] = (p_rid, p_blocks, rec)
         for rank, registration in self._deferred.pop(key, []):
-            self.env.process(self._write(prefill, rank, registration, p_rid, p_blocks, rec))
+            self._start_write(prefill, rank, registration, p_rid, p_blocks, rec)
 
     def _on_registration(self, prefill: Engine, rank: int, registration: "PushRegistration"
                          ) -> None:
         """Match by exact request id, then by base id with the random suffix stripped."""
+        if registration.decode_request_id in self._cancelled_pushes:
+            return  # decode gave up on it: its blocks must not be written any more
         key = (prefill.engine_id, base_request_id(registration.decode_request_id))
         published = self._published.get((prefill.engine_id, registration.decode_request_id),
                                          self._published.get(key))
@@ -676,25 +868,59 @@ class Cluster:
             self._deferred.setdefault(key, []).append((rank, registration))
             return
         p_rid, p_blocks, rec = published
+        self._start_write(prefill, rank, registration, p_rid, p_blocks, rec)
+
+    def _start_write(self, prefill: Engine, rank: int, registration: "PushRegistration",
+                     p_rid: str, p_blocks: dict[int, np.ndarray], rec: RequestRecord) -> None:
+        rid = registration.decode_request_id
+        self._writes_pending[rid] = self._writes_pending.get(rid, 0) + 1
         self.env.process(self._write(prefill, rank, registration, p_rid, p_blocks, rec))
+
+    def _cancel_push(self, prefill: Engine, decode_request_id: str) -> None:
+        """Decode gave up on a push request: registrations for it that prefill has not acted on
+        yet are dropped, so no WRITE is posted into blocks decode is about to release."""
+        self._cancelled_pushes.add(decode_request_id)
+        key = (prefill.engine_id, base_request_id(decode_request_id))
+        waiting = [(r, reg) for r, reg in self._deferred.get(key, [])
+                   if reg.decode_request_id != decode_request_id]
+        if waiting:
+            self._deferred[key] = waiting
+        else:
+            self._deferred.pop(key, None)
 
     def _write(self, prefill: Engine, rank: int, registration: "PushRegistration", p_rid: str,
                p_blocks: dict[int, np.ndarray], rec: RequestRecord) -> Generator:
         decode = next(e for e in self.engines["decode"]
                       if e.engine_id == registration.decode_engine)
-        error = yield from self._connect(prefill, decode, rec)
-        key = (prefill.engine_id, p_rid)
-        if error is not None:
-            self._push_result(registration.decode_request_id, ("handshake_failed", error))
-            return
-        worker = prefill.workers[rank]
-        self._registration_ids[key] = registration.decode_request_id
-        outcome = worker.start_write(WriteRequest(prefill_request_id=p_rid,
-                                                  registration=registration,
-                                                  prefill_blocks=p_blocks))
-        self._write_outcomes.setdefault(key, {})
-        if outcome is not None:
-            self._collect_write(prefill, rank, outcome)
+        rid = registration.decode_request_id
+        try:
+            error = yield from self._connect(prefill, decode, rec)
+            key = (prefill.engine_id, p_rid)
+            if error is not None:
+                self._push_result(rid, ("handshake_failed", error))
+                return
+            if rid in self._cancelled_pushes:
+                return  # decode gave up while the reverse handshake ran: post nothing
+            worker = prefill.workers[rank]
+            self._registration_ids[key] = rid
+            self.world.post_owner = rec.index
+            try:
+                outcome = worker.start_write(WriteRequest(prefill_request_id=p_rid,
+                                                          registration=registration,
+                                                          prefill_blocks=p_blocks))
+            finally:
+                self.world.post_owner = None
+            self._write_outcomes.setdefault(key, {})
+            if outcome is not None:
+                self._collect_write(prefill, rank, outcome)
+        finally:
+            left = self._writes_pending.get(rid, 1) - 1
+            if left:
+                self._writes_pending[rid] = left
+            else:
+                self._writes_pending.pop(rid, None)
+                self._check_quarantine()
+                self._signal_activity()
 
     def _collect_write(self, prefill: Engine, rank: int, outcome: RequestOutcome) -> None:
         """Prefill is done with a request when every rank's WRITEs are DONE (or one failed)."""
@@ -736,19 +962,28 @@ class Cluster:
                     "post_seconds": t.post_seconds, "transfer_seconds": t.transfer_seconds,
                     "completed": t.completed, "path": list(t.path)})
 
-    def _verify_and_compute(self, rec: RequestRecord, decode: Engine, job: "DecodeJob") -> None:
-        """Check every loaded byte against the oracle, then compute token N locally (its KV and
-        the state after N tokens)."""
+    def _verify_and_compute(self, rec: RequestRecord, decode: Engine, job: "DecodeJob",
+                            prefill: Engine) -> None:
+        """Check every loaded byte against the oracle (and, with a block size ratio, that the
+        untransferred tail was zeroed), then compute token N locally (its KV and the state after
+        N tokens)."""
         if decode.oracle is None:
             return
         layout = decode.layout
         hybrid = layout.is_hybrid
+        tail = None if job.recomputed else self._zeroed_tail(prefill, decode, job)
         for w in decode.workers:
             assert w.memory is not None
             words, found = decode.oracle.verify(
                 w.memory.array, layout, w.tp_rank, rec.index, engine=decode.engine_id,
                 blocks=job.blocks, tokens=(0, job.load_tokens),
                 state_step=job.load_tokens if hybrid else None)
+            if tail is not None:
+                zero_words, zero_found = decode.oracle.verify_zeros(
+                    w.memory.array, layout, w.tp_rank, engine=decode.engine_id,
+                    blocks=job.blocks, tokens=tail)
+                words += zero_words
+                found = found + zero_found
             rec.mismatched_words += words
             rec.mismatches.extend(str(m) for m in found[: max(0, 8 - len(rec.mismatches))])
         for w in decode.workers:
@@ -775,6 +1010,21 @@ class Cluster:
             for w in decode.workers:
                 w.zero_sub_blocks(subs[received:], bsr)
                 w.regroup_heads(kernel, bsr)
+
+    def _zeroed_tail(self, prefill: Engine, decode: Engine, job: "DecodeJob"
+                     ) -> tuple[int, int] | None:
+        """Token slots of decode's loaded blocks that no prefill block fills when decode's kernel
+        block spans several prefill blocks (bsr > 1): from the end of the last prefill block
+        sent to the end of the loaded blocks. The connector zeroes them after receipt (#49612);
+        None when bsr = 1 (whole blocks are sent, nothing is zeroed)."""
+        if decode.layout.kernel_block_size == prefill.layout.kernel_block_size:
+            return None
+        layout = decode.layout
+        loaded_end = layout.blocks_for_tokens(job.load_tokens) * layout.logical_block_size
+        p_kernel = prefill.layout.kernel_block_size
+        sent_end = -(-self.prefill_tokens_for(prefill, job) // p_kernel) * p_kernel
+        start = max(min(sent_end, loaded_end), job.hit_blocks * layout.logical_block_size)
+        return (start, loaded_end) if start < loaded_end else None
 
     def prefill_tokens_for(self, prefill: Engine, job: "DecodeJob") -> int:
         return self.prefill_tokens(job.load_tokens + 1)
@@ -917,6 +1167,17 @@ class Cluster:
     def _on_activity(self, engine: Engine, worker: ConnectorWorker) -> None:
         """A transfer of, or a message to, ``worker`` completed: poll it (the sans-I/O core is
         driven from here, as the engine's step loop drives the reference connector)."""
+        self._poll_worker(engine, worker)
+        if worker.take_released() or self._quarantine:
+            self._check_quarantine()
+        self._signal_activity()
+
+    def _signal_activity(self) -> None:
+        """Wake whatever waits for a transfer to end (recovery waits for its writers)."""
+        old, self._activity = self._activity, self.env.event()
+        old.succeed()
+
+    def _poll_worker(self, engine: Engine, worker: ConnectorWorker) -> None:
         if engine.role == "decode":
             for outcome in worker.poll():
                 self._collect(outcome.request_id, worker.tp_rank, outcome)

@@ -28,9 +28,13 @@ import numpy as np
 from .geometry.layout import EngineLayout
 from .geometry.specs import DTYPE_BYTES, GQAAttentionSpec, ModelSpec
 
-__all__ = ["Mismatch", "Oracle", "encode_words", "describe_word", "tensor_view"]
+__all__ = ["Mismatch", "Oracle", "encode_words", "describe_word", "tensor_view",
+           "blocks_touched", "OUTSIDE_BLOCKS"]
 
 KIND_MLA, KIND_K, KIND_V, KIND_CONV0, KIND_RECURRENT = 1, 2, 3, 4, 12
+# Stale bytes: what a reused block still holds from an earlier request (the reference skips
+# allocation-time zeroing, #49612). The simulator writes it where the connector must zero.
+KIND_STALE = 15
 _POS_BITS = 36
 _POS_MASK = (1 << _POS_BITS) - 1
 # Fast paths work on batches of about this many words (512 KiB): a batch is read from memory
@@ -90,6 +94,7 @@ def describe_word(word: int) -> str:
 
 
 _KIND_NAMES = {KIND_MLA: "MLA", KIND_K: "K", KIND_V: "V", KIND_RECURRENT: "recurrent",
+               KIND_STALE: "stale bytes",
                KIND_CONV0: "conv[0]", KIND_CONV0 + 1: "conv[1]", KIND_CONV0 + 2: "conv[2]"}
 
 
@@ -112,6 +117,39 @@ def tensor_view(memory: np.ndarray, layout: EngineLayout, tensor: int) -> np.nda
     """The uint8 bytes of shared tensor ``tensor`` in a rank's allocation."""
     start = tensor * layout.tensor_stride
     return memory[start:start + layout.tensor_bytes]
+
+
+OUTSIDE_BLOCKS = -1  # a byte in a tensor's alignment padding: no logical block owns it
+
+
+def blocks_touched(layout: EngineLayout, offsets: np.ndarray, lengths: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Every logical block the byte runs [offset, offset + length) of a rank's allocation touch.
+
+    Returns (run index, logical block id) pairs, one per (run, block); a run that touches bytes
+    outside every tensor's blocks (alignment padding, past the allocation) yields
+    ``OUTSIDE_BLOCKS``; an empty run touches nothing. Derived from the allocation's tensor layout alone (tensor i starts at
+    i * tensor_stride; within a tensor, logical block b is the b-th unified page), never from
+    descriptors or regions."""
+    off = np.asarray(offsets, dtype=np.int64)
+    end = off + np.asarray(lengths, dtype=np.int64) - 1
+    stride, tensor, page = layout.tensor_stride, layout.tensor_bytes, layout.unified_page_bytes
+    total = layout.num_tensors * stride
+
+    def block(pos: np.ndarray) -> np.ndarray:
+        within = pos % stride
+        out = within // page
+        out[(pos < 0) | (pos >= total) | (within >= tensor)] = OUTSIDE_BLOCKS
+        return out
+
+    first, last = block(off), block(end)
+    same_tensor = (off // stride) == (end // stride)
+    bad = (first == OUTSIDE_BLOCKS) | (last == OUTSIDE_BLOCKS) | ~same_tensor
+    first[bad], last[bad] = OUTSIDE_BLOCKS, OUTSIDE_BLOCKS
+    span = np.where(end < off, 0, last - first + 1)
+    run = np.repeat(np.arange(off.size, dtype=np.int64), span)
+    within = np.arange(int(span.sum()), dtype=np.int64) - np.repeat(np.cumsum(span) - span, span)
+    return run, np.repeat(first, span) + within
 
 
 def _words(view: np.ndarray) -> np.ndarray:
@@ -445,6 +483,55 @@ class Oracle:
                                     kind=_KIND_NAMES[kind] + " state",
                                     where=f"state after {state_step} tokens", words=n,
                                     got=self._describe_state(first, n_global)))
+        return total, found
+
+    def write_stale(self, memory: np.ndarray, layout: EngineLayout, rank: int, request: int, *,
+                    blocks: Mapping[int, np.ndarray], tokens: tuple[int, int]) -> None:
+        """Fill the attention rows of tokens [start, stop) of the request's blocks with stale
+        bytes (an earlier tenant's data) -- what a reused block holds where nothing is written."""
+        toks = np.arange(*tokens, dtype=np.int64)
+        if toks.size == 0:
+            return
+        for group in layout.attention_groups:
+            ids = np.asarray(blocks.get(group.group_id, ()), dtype=np.int64)
+            for layer in group.layers:
+                view = self._attention_block_view(memory, layout, layer)
+                k, row = self._token_rows(layout, ids, toks)
+                want = self._attention_expected(layout, rank, request, layer, toks)
+                view[self._attention_access(view, layout, k, row)] = (
+                    want & np.uint64(~(0xF << _POS_BITS) & 0xFFFFFFFFFFFFFFFF)
+                    | np.uint64(KIND_STALE << _POS_BITS))
+
+    def verify_zeros(self, memory: np.ndarray, layout: EngineLayout, rank: int, *, engine: str,
+                     blocks: Mapping[int, np.ndarray], tokens: tuple[int, int], limit: int = 8
+                     ) -> tuple[int, list[Mismatch]]:
+        """Check that the attention rows of tokens [start, stop) of the request's blocks are
+        zero (the untransferred tail the connector must zero after a block-size-ratio READ)."""
+        toks = np.arange(*tokens, dtype=np.int64)
+        total, found = 0, []
+        if toks.size == 0:
+            return 0, []
+        for group in layout.attention_groups:
+            ids = np.asarray(blocks.get(group.group_id, ()), dtype=np.int64)
+            for layer in group.layers:
+                view = self._attention_block_view(memory, layout, layer)
+                k, row = self._token_rows(layout, ids, toks)
+                got = view[self._attention_access(view, layout, k, row)]
+                bad = got != 0
+                if bad.any():
+                    total += int(bad.sum())
+                    if len(found) < limit:
+                        per_token = bad.reshape(bad.shape[0], -1).any(axis=1)
+                        idx = np.flatnonzero(per_token)
+                        first = int(got.reshape(got.shape[0], -1)[idx[0]][
+                            np.flatnonzero(bad.reshape(bad.shape[0], -1)[idx[0]])[0]])
+                        found.append(Mismatch(
+                            engine=engine, rank=rank, layer=layer,
+                            kind=("MLA" if self.model.attention.is_mla else "K/V")
+                            + " untransferred tail",
+                            where=f"tokens {int(toks[idx[0]])}..{int(toks[idx[-1]])} "
+                                  f"(must be zeroed)",
+                            words=int(bad.sum()), got=describe_word(first)))
         return total, found
 
     def _explain_tokens(self, engine: str, rank: int, layer: int, toks: np.ndarray,

@@ -18,7 +18,7 @@ def expectation_problems(result: RunResult) -> list[str]:
     problems: list[str] = []
     outcome = result.outcome
     if outcome == "corruption" and not expect.byte_exact:
-        outcome = "ok" if not result.failed else "request-failure"
+        outcome = result.outcome_besides_corruption
     expired = sum(r.freed_by_lease for r in result.records)
     if expect.lease_expiries is not None:
         if expired != expect.lease_expiries:
@@ -38,6 +38,12 @@ def expectation_problems(result: RunResult) -> list[str]:
                         + _outcome_detail(result))
     if expect.byte_exact and result.corrupted:
         problems.append(f"{result.corrupted} request(s) reported successful with wrong bytes")
+    if expect.byte_exact and result.late_landings:
+        problems.append(f"{result.late_landings} transfer(s) landed in blocks their request no "
+                        f"longer owned (late landings)")
+    if expect.byte_exact and result.stray_writes:
+        problems.append(f"{result.stray_writes} transfer(s) were posted into blocks their "
+                        f"request does not hold (stray writes)")
     if expect.error_match is not None:
         pattern = re.compile(expect.error_match)
         messages = result.handshake_errors if expect.outcome == "handshake-error" else [
@@ -122,6 +128,7 @@ def result_json(result: RunResult, *, requests: bool = False) -> dict[str, Any]:
         "recovered": [{"request": r.index, "recovered_from": r.recovered_from}
                       for r in recs if r.recovered_from is not None],
         "mismatches": [m for r in recs for m in r.mismatches][:16],
+        "misplaced_writes": list(result.misplaced_write_reports),
         "counters": dict(result.counters),
         "time": {
             "simulated_seconds": result.sim_seconds,

@@ -45,6 +45,7 @@ def test_quirk_is_caught(quirk: str) -> None:
     # an explanation a connector engineer recognises: a semantic mismatch, a failure reason,
     # a wrong accept, or prefill freed by its lease
     explained = (data["mismatches"] or data["failures"] or data["requests"]["freed_by_lease"]
+                 or data["misplaced_writes"]
                  or (scenario.expect.outcome == "handshake-error" and not buggy.handshake_errors))
     assert explained, problems
 

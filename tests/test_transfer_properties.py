@@ -68,8 +68,8 @@ def test_random_valid_deployments_are_byte_exact(text: str) -> None:
                                     [r.mismatches[:1] or r.reason for r in result.records])
     assert result.mismatched_bytes == 0
     assert all(r.mismatched_words == 0 and r.status == "ok" for r in result.records)
-    assert result.leaks == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0,
-                                  "after_shutdown": 0}
+    assert {"prefill_blocks", "decode_blocks", "open_handles", "after_shutdown"} <= set(result.leaks)
+    assert not any(result.leaks.values()), result.leaks
 
 
 @st.composite

@@ -72,7 +72,7 @@ from ..cluster import (
     BlockAllocator,
     RequestRecord,
     RunResult,
-    default_num_blocks,
+    engine_pool_blocks,
     engine_layout,
     freed_while_reading,
 )
@@ -290,9 +290,9 @@ class NixlCluster:
                 probe = engine_layout(self.model, section, num_blocks=1,
                                       registration_order=conn.registration_order,
                                       quirks=self.quirks)
-                blocks = section.num_blocks or default_num_blocks(
-                    probe, self.prompts, max_inflight=self.scenario.workload.max_inflight,
-                    instances=section.instances)
+                blocks = engine_pool_blocks(
+                    scenario, role, probe, self.prompts,
+                    prefill_tokens=self.prefill_tokens(int(self.prompts.max())))
                 layout = engine_layout(self.model, section, num_blocks=blocks,
                                        registration_order=conn.registration_order,
                                        quirks=self.quirks)

@@ -69,6 +69,8 @@ class RequestOutcome:
     nbytes: int = 0
     transfers: int = 0
     telemetry: list = field(default_factory=list)
+    # handles the connector gave up on that could not be released (DMA may still be live)
+    unreleased: int = 0
 
 
 @dataclass(eq=False)
@@ -129,7 +131,9 @@ class ConnectorWorker:
         self._split_lists: dict[tuple[int, int, int], tuple[DescriptorList, int]] = {}
         self._remotes: dict[str, dict[int, _RemoteRank]] = {}
         self._in_flight: dict[str, _InFlight] = {}
-        self._zombies: list[int] = []  # handles whose release failed (DMA may be live)
+        # handles whose release failed (DMA may be live) -> the request they belong to
+        self._zombies: dict[int, str] = {}
+        self._released: list[str] = []  # requests whose last live handle was just released
         self.notification_failures = 0
         self._notify_agents: set[str] = set()
         self.state_regions = [i for i, r in enumerate(layout.regions)
@@ -424,9 +428,9 @@ class ConnectorWorker:
         try:
             self.transport.transfer(handle)
         except TransportError:
-            self.transport.release_xfer_handle(handle)
+            self._release_quietly(handle, outcome.request_id)
             for h in handles:
-                self._release_quietly(h)
+                self._release_quietly(h, outcome.request_id)
             raise
         handles.append(handle)
         outcome.descriptors += int(local_ids.size)
@@ -464,26 +468,42 @@ class ConnectorWorker:
         plan = merge_descriptors(local, remote_descs, mode, regions)
         return self.transport.make_xfer(op, plan.local, remote.agent, plan.remote, notif)
 
-    def _release_quietly(self, handle: int) -> bool:
+    def _release_quietly(self, handle: int, request_id: str) -> bool:
         """Release a handle; one that cannot be released yet is kept and retried on every poll
-        until it is terminal (DOMAIN.md §9.2: DMA may still be live)."""
+        until it is terminal (DOMAIN.md §9.2: DMA may still be live). While it is kept, the
+        request's destination blocks must not be reused (``live_handles``)."""
         try:
             self.transport.release_xfer_handle(handle)
-            return True
         except TransportError:
-            if handle not in self._zombies:
-                self._zombies.append(handle)
+            self._zombies[handle] = request_id
             return False
+        if self._zombies.pop(handle, None) is not None and request_id not in self._zombies.values():
+            self._released.append(request_id)
+        return True
 
     def _reap_zombies(self) -> None:
-        for handle in list(self._zombies):
+        for handle, rid in list(self._zombies.items()):
             try:
                 state = self.transport.check_xfer_state(handle)
             except TransportError:
                 state = ERR
             if state != PROC:
-                self._zombies.remove(handle)
-                self._release_quietly(handle)
+                self._release_quietly(handle, rid)
+
+    def live_handles(self, request_id: str) -> int:
+        """Transfers of ``request_id`` that may still move bytes: posted and not yet terminal,
+        or terminated by the connector (failure, abort, watchdog) but not releasable yet. A
+        driver must not reuse the request's destination blocks while this is non-zero."""
+        flight = self._in_flight.get(request_id)
+        posted = len(flight.handles) if flight is not None else 0
+        return posted + sum(rid == request_id for rid in self._zombies.values())
+
+    def take_released(self) -> list[str]:
+        """Requests whose last unreleasable handle was released since the last call (their
+        quarantined blocks may now be reused)."""
+        self._reap_zombies()
+        out, self._released = self._released, []
+        return out
 
     def poll(self) -> list[RequestOutcome]:
         """Check every in-flight request; return those that reached a terminal state."""
@@ -524,7 +544,8 @@ class ConnectorWorker:
     def _terminate(self, rid: str) -> RequestOutcome:
         flight = self._in_flight.pop(rid)
         for h in flight.handles:
-            self._release_quietly(h)
+            self._release_quietly(h, rid)
+        flight.outcome.unreleased = sum(r == rid for r in self._zombies.values())
         return flight.outcome
 
     def abort(self, rid: str, reason: str, failure_class: str) -> RequestOutcome | None:

@@ -55,6 +55,8 @@ class _Xfer:
     error_kind: str = "transfer_failed"
     rows: int | None = None  # make_xfer: descriptors (or strided rows) as posted
     poll_raises: bool = False
+    owner: Any = None  # SimWorld.post_owner when the transfer was created (who it is for)
+    stray: bool = False  # the landing guard found it aimed at blocks its owner does not hold
 
 
 @dataclass(eq=False)
@@ -86,6 +88,16 @@ class SimWorld:
         self.bytes_moved = 0
         self.faults: Any = None  # hkvsim.faults.FaultPlan, or None
         self.dropped_messages = 0
+        # Who transfers created now are for (the driver sets it around a post; e.g. a request
+        # index), and a check of a transfer's destination blocks, called when it is posted
+        # (landed=False) and when its bytes land (landed=True):
+        # guard(destination agent, absolute addresses, lengths, owner, landed) -> True when some
+        # destination block is not its owner's. The driver uses it to flag transfers aimed at
+        # blocks their request does not hold (stray writes) and bytes landing in blocks their
+        # request no longer holds (late landings).
+        self.post_owner: Any = None
+        self.on_death: Callable[[str], None] | None = None  # called with the agent that died
+        self.landing_guard: Callable[[str, np.ndarray, np.ndarray, Any, bool], bool] | None = None
 
     def create_agent(self, name: str, endpoint: Hashable) -> "SimTransport":
         if name in self._agents:
@@ -112,6 +124,8 @@ class SimWorld:
         agent = self._agents.get(name)
         if agent is not None and agent.alive:
             agent.alive = False
+            if self.on_death is not None:
+                self.on_death(name)
             for other in self._agents:
                 self._wake(other)
 
@@ -245,7 +259,7 @@ class SimTransport:
                                           what=f"{self.name}: {op} with {remote.agent}")
         handle = next(self._ids)
         self._xfers[handle] = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
-                                    notif=bytes(notif), nbytes=nbytes)
+                                    notif=bytes(notif), nbytes=nbytes, owner=self.world.post_owner)
         return handle
 
     def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
@@ -283,7 +297,7 @@ class SimTransport:
         self._xfers[handle] = _Xfer(op=op, local=_DList(agent=self.name, descs=ld), local_ids=ids,
                                     remote=_DList(agent=remote_agent, descs=rd), remote_ids=ids,
                                     notif=bytes(notif), nbytes=int(ld[:, 1].sum()),
-                                    rows=int(la.shape[0]))
+                                    rows=int(la.shape[0]), owner=self.world.post_owner)
         return handle
 
     def _xfer(self, handle: int) -> _Xfer:
@@ -323,6 +337,7 @@ class SimTransport:
                                  kind="transfer_setup_failed")
         x.poll_raises = fault is not None and fault.kind == "fail-poll"
         x.state, x.submitted, x.timing, x.error = PROC, world.env.now, None, None
+        x.stray = self._check_landing(x, landed=False)
         me = world.agent(self.name)
         src, dst = (remote_agent, me) if x.op == "READ" else (me, remote_agent)
         if fault is not None and fault.kind == "stall":
@@ -360,6 +375,8 @@ class SimTransport:
             x.state, x.error, x.error_kind = ERR, f"agent {dead} disconnected", "remote_disconnect"
         else:
             try:
+                if not x.stray:  # a stray transfer was reported when it was posted
+                    self._check_landing(x, landed=True)
                 if self.world.move_bytes:
                     self._move(x, me, remote)
                 x.state = DONE
@@ -368,6 +385,19 @@ class SimTransport:
         if x.state == DONE and x.notif:
             self.world.send(self.name, remote.name, x.notif)
         self.world._wake(self.name)
+
+    def _check_landing(self, x: _Xfer, *, landed: bool) -> bool:
+        """Hand a transfer's destination runs to the world's landing guard (if any)."""
+        guard = self.world.landing_guard
+        if guard is None or x.local_ids.size == 0:
+            return False
+        if x.op == "READ":
+            dst, descs, ids = self.name, x.local.descs, x.local_ids
+        else:
+            dst, descs, ids = x.remote.agent, x.remote.descs, x.remote_ids
+        rows = descs[ids]
+        return bool(guard(dst, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64),
+                          x.owner, landed))
 
     def _move(self, x: _Xfer, me: _Agent, remote: _Agent) -> None:
         ld, rd = x.local.descs[x.local_ids], x.remote.descs[x.remote_ids]

@@ -50,8 +50,8 @@ def _assert_clean_ok(result):
     assert [r.status for r in result.records] == ["ok"] * len(result.records)
     assert sum(r.mismatched_words for r in result.records) == 0, [
         m for r in result.records for m in r.mismatches]
-    assert result.leaks == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0,
-                                  "after_shutdown": 0}
+    assert {"prefill_blocks", "decode_blocks", "open_handles", "after_shutdown"} <= set(result.leaks)
+    assert not any(result.leaks.values()), result.leaks
     assert all(r.descriptors > 0 and r.transfers > 0 for r in result.records)
 
 
@@ -73,8 +73,8 @@ def test_block_size_ratio_matrix(model, p_tp, d_tp, d_block):
         # every request takes the failure path (no hang, nothing leaked)
         assert all(r.status == "failed" and r.failure_class == "handshake_failed"
                    for r in result.records)
-        assert result.leaks == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0,
-                                  "after_shutdown": 0}
+        assert {"prefill_blocks", "decode_blocks", "open_handles", "after_shutdown"} <= set(result.leaks)
+        assert not any(result.leaks.values()), result.leaks
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek"])

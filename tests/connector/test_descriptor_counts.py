@@ -25,8 +25,8 @@ def _kimi(p_tp, d_tp, *, verify):
     assert result.outcome == "ok", (result.handshake_errors, result.records[0].reason)
     (rec,) = result.records
     assert rec.status == "ok"
-    assert result.leaks == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0,
-                                  "after_shutdown": 0}
+    assert {"prefill_blocks", "decode_blocks", "open_handles", "after_shutdown"} <= set(result.leaks)
+    assert not any(result.leaks.values()), result.leaks
     return rec
 
 

@@ -35,8 +35,8 @@ def test_real_backend_soak_keeps_the_invariants(nixl_required, tmp_path) -> None
     data = result_json(result)
     assert data["requests"]["total"] == 200 and data["requests"]["hung"] == 0
     assert result.corrupted == 0 and data["requests"]["mismatched_bytes"] == 0
-    assert data["leaks"] == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0,
-                             "after_shutdown": 0}
+    assert {"prefill_blocks", "decode_blocks", "open_handles", "after_shutdown"} <= set(data["leaks"])
+    assert not any(data["leaks"].values()), data["leaks"]
     classes = Counter(f["class"] for f in data["failures"])
     assert classes and set(classes) <= KNOWN, classes
     assert data["requests"]["completed"] + data["requests"]["failed"] == 200

@@ -74,8 +74,8 @@ def test_tiny_kimi_matches_the_simulator(tmp_path, mode: str, p: int, d: int) ->
     _agree(nixl, sim)
     assert nixl["outcome"] == "ok" and nixl["expectation_met"]
     assert nixl["requests"]["byte_exact"] == 3
-    assert nixl["leaks"] == {"prefill_blocks": 0, "decode_blocks": 0, "open_handles": 0,
-                             "after_shutdown": 0}
+    assert {"prefill_blocks", "decode_blocks", "open_handles", "after_shutdown"} <= set(nixl["leaks"])
+    assert not any(nixl["leaks"].values()), nixl["leaks"]
     assert nixl["counters"]["notifications"] == sim["counters"]["notifications"]
     paths = [t["path"] for r in nixl["request_details"] for t in r["telemetry"]]
     assert paths and all(path[0] == "UCX" for path in paths)
