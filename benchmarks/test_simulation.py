@@ -26,7 +26,7 @@ TARGET_SECONDS = 30.0
 # water mark across fork + exec on Linux.
 _CHILD = textwrap.dedent("""
     import json, resource, sys, time
-    from hkvsim.cluster import Cluster
+    from hkvsim.cluster import SimDriver
     from hkvsim.scenario import parse_scenarios
 
     def peak_kib():
@@ -41,7 +41,7 @@ _CHILD = textwrap.dedent("""
 
     (s,) = parse_scenarios(sys.stdin.read())
     t0 = time.perf_counter()
-    cluster = Cluster(s, timing_only=True)
+    cluster = SimDriver(s, timing_only=True)
     t1 = time.perf_counter()
     rss_setup = peak_kib()
     result = cluster.run()

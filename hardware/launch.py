@@ -70,7 +70,7 @@ def _report(results: list, args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, *, multi_node: bool) -> int:
-    from hkvsim.backends.nixl_runner import NixlRunError, NixlRunOptions, run_scenario_nixl
+    from hkvsim.drivers.nixl import NixlRunError, NixlRunOptions, run_scenario_nixl
     from hkvsim.scenario import ScenarioError, load_scenarios
     from hkvsim.transport.nixl import NixlUnavailable
 

@@ -115,7 +115,7 @@ def _run_all(args: argparse.Namespace) -> list[Any]:
     from .cluster import run_scenario
 
     if args.backend == "nixl":  # real NIXL, one process per rank (hkvsim/backends)
-        from .backends.nixl_runner import run_for_cli
+        from .drivers.nixl import run_for_cli
 
         return run_for_cli(_load(args.file), timing_only=args.timing_only, progress=_progress)
     scenarios = _load(args.file)

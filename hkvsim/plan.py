@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cluster import Cluster
+from .drivers.sim import SimDriver
 from .scenario import Scenario
 
 __all__ = ["plan_scenario"]
 
 
 def plan_scenario(scenario: Scenario) -> dict[str, Any]:
-    cluster = Cluster(scenario, timing_only=True)
-    result = cluster.run()
+    driver = SimDriver(scenario, timing_only=True)
+    result = driver.run()
     sides: dict[str, Any] = {}
-    for role, engines in cluster.engines.items():
+    for role, engines in driver.dep.engines.items():
         layout = engines[0].layout
         summary = layout.summary()
         summary["model"] = layout.model.name
@@ -42,9 +42,9 @@ def plan_scenario(scenario: Scenario) -> dict[str, Any]:
         "scenario": scenario.scenario.name,
         "source": scenario.source,
         "sweep_point": scenario.sweep_point,
-        "model": cluster.model.name,
+        "model": driver.dep.model.name,
         "mode": scenario.connector.mode,
-        "fabric": cluster.profile.name,
+        "fabric": driver.profile.name,
         "prefill": sides["prefill"],
         "decode": sides["decode"],
         "handshake": {"ok": not result.handshake_errors,

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .cluster import RunResult
+from .pd.records import RunResult
 
 __all__ = ["expectation_problems", "result_json", "summary_row"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hkvsim.cli import main
-from hkvsim.cluster import blocks_per_request, run_scenario
+from hkvsim.cluster import run_scenario
+from hkvsim.pd.pool import blocks_per_request
 from hkvsim.geometry import build_layout, preset
 from hkvsim.scenario import ScenarioError, parse_scenarios
 

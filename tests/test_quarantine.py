@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from hkvsim.cluster import Cluster, run_scenario
+from hkvsim.cluster import SimDriver, run_scenario
+from hkvsim.pd.coordinator import Coordinator
 from hkvsim.results import result_json
 from hkvsim.scenario import parse_scenarios
 
@@ -70,7 +71,7 @@ def test_landing_guard_catches_blocks_freed_under_a_live_transfer(
         monkeypatch: pytest.MonkeyPatch, preset, blocks, mode) -> None:
     """Plant the original bug (free decode's blocks while the transfer lives): the guard must
     report late landings and the run must be a corruption, never a success."""
-    monkeypatch.setattr(Cluster, "_writers_live", lambda *args, **kwargs: False)
+    monkeypatch.setattr(Coordinator, "_writers_live", lambda *args, **kwargs: False)
     result = run_scenario(_scenario(preset, blocks, mode))
     data = result_json(result)
     assert data["counters"]["late_landings"] > 0
@@ -92,21 +93,21 @@ def test_a_late_landing_on_a_verified_request_marks_it_corrupted() -> None:
                                   .replace('outcome = "request-failure"', 'outcome = "ok"')
                                   .replace('reason = "stall"', "")
                                   .replace("probability = 0.3", "probability = 0.0"))
-    cluster = Cluster(scenario)
-    result = cluster.run()
+    driver = SimDriver(scenario)
+    result = driver.run()
     assert result.outcome == "ok" and all(r.status == "ok" for r in result.records)
-    decode = cluster.engines["decode"][0]
-    worker = decode.workers[1]
-    decode.owner[[5, 6]] = 0  # request 0, already verified, holds blocks 5 and 6
-    page, base = decode.layout.unified_page_bytes, cluster._agents[worker.transport.name][1]
-    cluster._on_landing(worker.transport.name, np.array([base + 5 * page, base + 6 * page + 64]),
-                        np.array([page, 8]), 1, True)
-    assert cluster.counters["late_landings"] == 1
+    decode = driver.coord.engine("decode0")
+    agent, base = "decode0.1", driver._base[("decode0", 1)]
+    decode.pool.owner[[5, 6]] = 0  # request 0, already verified, holds blocks 5 and 6
+    page = decode.layout.unified_page_bytes
+    driver._on_landing(agent, np.array([base + 5 * page, base + 6 * page + 64]),
+                       np.array([page, 8]), 1, True)
+    assert driver.coord.counters["late_landings"] == 1
     assert result.records[0].overwritten_by == [1]
     assert result.corrupted == 1 and result.outcome == "corruption"
-    assert any("late landings" in p for p in expectation_problems(result))
+    assert any("wrong bytes" in p for p in expectation_problems(result))
+    assert "late landing" in result.records[0].mismatches[-1]
     # bytes landing where the transfer's own request owns the blocks are not flagged
-    decode.owner[[7]] = 1
-    cluster._on_landing(worker.transport.name, np.array([base + 7 * page]), np.array([page]), 1,
-                        True)
-    assert cluster.counters["late_landings"] == 1
+    decode.pool.owner[[7]] = 1
+    driver._on_landing(agent, np.array([base + 7 * page]), np.array([page]), 1, True)
+    assert driver.coord.counters["late_landings"] == 1

@@ -1,6 +1,6 @@
 """Multi-node launch for the NIXL run (the lab launcher's engine; hardware/launch.py is its CLI).
 
-One coordinator (the scheduler / proxy, :class:`~hkvsim.backends.nixl_runner.NixlCluster` with
+One coordinator (the scheduler / proxy, :class:`~hkvsim.drivers.nixl.NixlDriver` with
 ``spawn=False``) listens on an address the nodes can reach. On every node one *node agent*
 connects to it, says how many rank slots (GPUs) it has, gets the ranks it must run (engines are
 packed onto nodes in order, prefill first; an engine never straddles nodes when it fits) and

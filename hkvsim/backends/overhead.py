@@ -51,7 +51,7 @@ def _scenario(preset: str, tokens: int) -> Any:
 
 
 def _worker(scenario: Any, role: str, num_blocks: int, name: str) -> Any:
-    from ..cluster import engine_layout
+    from ..pd.deployment import engine_layout
     from ..connector.worker import ConnectorSettings, ConnectorWorker
     from ..transport.nixl import NixlTransport
 
@@ -98,7 +98,7 @@ def _blocks(layout: Any, tokens: int) -> dict[int, np.ndarray]:
 def measure_overhead(*, preset: str = "kimi-linear-48b", tokens: int = 8192, rounds: int = 7,
                      iterations: int = 8) -> dict[str, Any]:
     """Connector vs bare NIXL throughput for one request's READ (decode TP1 <- prefill TP1)."""
-    from ..cluster import engine_layout
+    from ..pd.deployment import engine_layout
     from ..connector.worker import ReadRequest
 
     scenario = _scenario(preset, tokens)

@@ -5,16 +5,18 @@ The process connects to the coordinator's side channel, proves it belongs to the
 receives SETUP (the scenario, its engine, rank, block count and memory type), registers its cache
 and answers READY with its handshake payload. Then it loops:
 
-* commands from the coordinator (oracle fill, connect, READ, WRITE, verify, ...) are executed
-  and answered (``reply`` with the command's ``seq``);
-* ``worker.poll()`` reports finished transfers as ``outcome`` events;
-* ``worker.take_messages()`` (NIXL ``get_new_notifs``) forwards every notification as a
-  ``notif`` event. It runs on every iteration, busy or idle: with NIXL's progress thread off this
-  is what lets a peer's first transfer to this agent finish (DOMAIN.md §11.4 hazard 6).
+* operations of the coordinator (:mod:`hkvsim.pd.ops`: compute, connect, READ, WRITE, verify,
+  ...) are carried out by the same :class:`~hkvsim.pd.rank.RankExecutor` the simulator runs in
+  process, and answered (``reply`` with the operation's ``seq``); a few driver commands (clock,
+  stats, shutdown) are answered here;
+* transfers that reached a terminal state go out as ``outcome`` events, notifications as
+  ``notif`` events, handles released late as ``released`` events. NIXL is polled on every
+  iteration, busy or idle: with NIXL's progress thread off this is what lets a peer's first
+  transfer to this agent finish (DOMAIN.md §11.4 hazard 6).
 
-stdout and stderr go to a per-rank log file (NIXL prints INFO lines to stdout, UCX and NIXL's C++
-layer to stderr); the coordinator quotes its tail when the rank dies. Every wait has a deadline:
-a rank whose coordinator goes away exits.
+It imports neither simpy nor the simulated fabric. stdout and stderr go to a per-rank log file
+(NIXL prints INFO lines to stdout, UCX and NIXL's C++ layer to stderr); the coordinator quotes its
+tail when the rank dies. Every wait has a deadline: a rank whose coordinator goes away exits.
 """
 
 from __future__ import annotations
@@ -31,8 +33,18 @@ from typing import Any
 
 import numpy as np
 
+from ..pd.ops import (
+    Message,
+    Outcome,
+    Released,
+    WireError,
+    op_from_wire,
+    outcome_to_wire,
+    reply_value_to_wire,
+)
+from ..pd.rank import RankExecutor
 from ..transport.base import TransportError
-from .side_channel import Channel, ChannelClosed, ProtocolError, fields, groups_in, ids_in
+from .side_channel import Channel, ChannelClosed, ProtocolError, fields
 
 __all__ = ["rank_entry", "RankProcess", "ucx_transports", "EXIT_OK", "EXIT_SETUP", "EXIT_LOST"]
 
@@ -95,18 +107,38 @@ def ucx_transports(log_text: str) -> list[str]:
     return found
 
 
-def _outcome_out(outcome: Any) -> dict[str, Any]:
-    return {
-        "request_id": outcome.request_id, "ok": bool(outcome.ok), "reason": outcome.reason,
-        "failure_class": outcome.failure_class, "descriptors": int(outcome.descriptors),
-        "nbytes": int(outcome.nbytes), "transfers": int(outcome.transfers),
-        "telemetry": [{"nbytes": int(t.nbytes), "descriptors": int(t.descriptors),
-                       "post_seconds": float(t.post_seconds),
-                       "transfer_seconds": float(t.transfer_seconds),
-                       "submitted": float(t.submitted),
-                       "completed": None if t.completed is None else float(t.completed),
-                       "path": [str(p) for p in t.path]} for t in outcome.telemetry],
-    }
+class _HostStagedExecutor(RankExecutor):
+    """A rank executor whose cache may live in VRAM: reads and writes go through the host
+    shadow, and only the words a write changed are pushed back (DMA may be landing elsewhere)."""
+
+    def __init__(self, rank: Any, worker: Any, oracle: Any, transport: Any) -> None:
+        super().__init__(rank, worker, oracle)
+        self.transport = transport
+
+    def access(self, write: bool, fn: Callable[[np.ndarray], Any]) -> Any:
+        from ..transport.nixl import device_sync
+
+        memory = self.worker.memory
+        if memory.mem_type != "VRAM":
+            return fn(memory.array)
+        device_sync(self.transport, memory, to_device=False)
+        before = memory.array.copy() if write else None
+        result = fn(memory.array)
+        if write:
+            words_now = memory.array[: memory.nbytes // 8 * 8].view(np.uint64)
+            words_old = before[: memory.nbytes // 8 * 8].view(np.uint64)
+            changed = np.flatnonzero(words_now != words_old)
+            if changed.size:  # push back only what this rank wrote
+                breaks = np.flatnonzero(np.diff(changed) != 1)
+                starts = np.concatenate([[changed[0]], changed[breaks + 1]])
+                ends = np.concatenate([changed[breaks], [changed[-1]]]) + 1
+                device_sync(self.transport, memory, to_device=True,
+                            ranges=[(int(a) * 8, int(b) * 8) for a, b in zip(starts, ends)])
+            tail = memory.nbytes % 8
+            if tail:
+                device_sync(self.transport, memory, to_device=True,
+                            ranges=[(memory.nbytes - tail, memory.nbytes)])
+        return result
 
 
 class RankProcess:
@@ -117,11 +149,14 @@ class RankProcess:
         self.engine = engine
         self.rank = rank
         self.log_path = log_path
-        self.worker: Any = None
+        self.executor: RankExecutor | None = None
         self.transport: Any = None
-        self.oracle: Any = None
-        self.layout: Any = None
         self.epoch = time.time()
+        self._transports_seen: list[str] = []
+
+    @property
+    def worker(self) -> Any:
+        return None if self.executor is None else self.executor.worker
 
     # ---- lifecycle ------------------------------------------------------------------------
     def run(self) -> int:
@@ -166,19 +201,26 @@ class RankProcess:
         except ChannelClosed:
             pass
 
+    def _shutdown_worker(self) -> int:
+        """Release everything the connector holds; returns what the transport still holds."""
+        if self.worker is None:
+            return 0
+        give_up = getattr(self.worker.transport, "give_up_stalls", None)
+        if give_up is not None:  # an injected stall ends with the run, as a UCX timeout would
+            give_up()
+        try:
+            self.worker.shutdown()
+        except Exception as exc:  # keep going: close() releases what shutdown could not
+            print(f"worker.shutdown: {type(exc).__name__}: {exc}", file=sys.stderr)
+        self.executor = None
+        held = self.transport.resources()
+        if sum(held.values()):
+            print(f"resources left after worker.shutdown: {held}", file=sys.stderr)
+        return sum(held.values())
+
     def _close_transport(self) -> dict[str, int]:
-        report: dict[str, int] = {}
-        if self.worker is not None:
-            give_up = getattr(self.worker.transport, "give_up_stalls", None)
-            if give_up is not None:  # an injected stall ends with the run, as a UCX timeout would
-                give_up()
-            try:
-                self.worker.shutdown()
-            except Exception as exc:  # keep going: close() releases what shutdown could not
-                print(f"worker.shutdown: {type(exc).__name__}: {exc}", file=sys.stderr)
-        if self.transport is not None:
-            report = self.transport.close()
-        return report
+        self._shutdown_worker()
+        return self.transport.close() if self.transport is not None else {}
 
     def _setup(self, message: dict[str, Any]) -> dict[str, Any]:
         f = fields(message, {"scenario": dict, "role": str, "num_blocks": int, "mem_type": str,
@@ -186,12 +228,12 @@ class RankProcess:
                              "telemetry": bool, "oracle": bool, "precommit": bool})
         if message["op"] != "setup":
             raise ProtocolError(f"expected setup, got {message['op']}")
-        from ..cluster import engine_layout
         from ..connector.quirks import check_quirks
-        from ..connector.worker import ConnectorSettings, ConnectorWorker
-        from ..oracle import Oracle
-        from ..scenario import Scenario
+        from ..connector.worker import ConnectorWorker
         from ..faults import FaultPlan
+        from ..oracle import Oracle
+        from ..pd.deployment import connector_settings, engine_layout
+        from ..scenario import Scenario
         from ..transport.faulty import WRAPPABLE_FAULTS, FaultInjectingTransport
         from ..transport.nixl import NixlConfig, NixlTransport
 
@@ -201,13 +243,8 @@ class RankProcess:
         model = scenario.model_spec()
         quirks = check_quirks(list(scenario.connector.quirks))
         conn = scenario.connector
-        self.layout = engine_layout(model, section, num_blocks=f["num_blocks"],
-                                    registration_order=conn.registration_order, quirks=quirks)
-        settings = ConnectorSettings(mode=conn.mode, quirks=quirks,
-                                     prefix_caching=section.prefix_caching,
-                                     host_buffer=conn.host_buffer,
-                                     enforce_handshake_compat=conn.enforce_handshake_compat,
-                                     descriptor_merge=conn.descriptor_merge)
+        layout = engine_layout(model, section, num_blocks=f["num_blocks"],
+                               registration_order=conn.registration_order, quirks=quirks)
         self.epoch = f["epoch"]
         self.transport = NixlTransport(
             f"{self.engine}.{self.rank}",
@@ -221,24 +258,29 @@ class RankProcess:
                              transfer_timeout=conn.transfer_timeout_seconds)
             connector_transport = FaultInjectingTransport(
                 self.transport, plan, clock=lambda: time.time() - self.epoch)
-        self.worker = ConnectorWorker(engine_id=self.engine, role=role, tp_rank=self.rank,
-                                      layout=self.layout, transport=connector_transport,
-                                      settings=settings, device_id=f["device_id"])
-        self.worker.register(mem_type=f["mem_type"])
-        if f["precommit"] and self.worker.memory.mem_type == "DRAM":
+        worker = ConnectorWorker(engine_id=self.engine, role=role, tp_rank=self.rank,
+                                 layout=layout, transport=connector_transport,
+                                 settings=connector_settings(scenario, role),
+                                 device_id=f["device_id"])
+        worker.register(mem_type=f["mem_type"])
+        if f["precommit"] and worker.memory.mem_type == "DRAM":
             # commit every page now (as a real, preallocated cache is): a page first touched
             # inside a cma READ costs a fault there, 8x slower on the 2-core VM
-            self.worker.memory.array.fill(0)
-        self.oracle = Oracle(self.layout.model) if f["oracle"] else None
-        return {"op": "ready", "payload": self.worker.handshake_payload(),
+            worker.memory.array.fill(0)
+        oracle = Oracle(layout.model) if f["oracle"] else None
+        self.executor = _HostStagedExecutor((self.engine, self.rank), worker, oracle,
+                                            self.transport)
+        return {"op": "ready", "payload": worker.handshake_payload(),
                 "agent_metadata": self.transport.get_agent_metadata(),
-                "agent": self.transport.name, "total_bytes": int(self.layout.total_bytes),
+                "agent": self.transport.name, "total_bytes": int(layout.total_bytes),
                 "backends": list(self.transport.backends)}
 
     # ---- loop -----------------------------------------------------------------------------
     def _loop(self) -> int:
+        assert self.executor is not None
+        executor = self.executor
         while True:
-            busy = self.worker.in_flight() > 0 or self.worker.pending_releases() > 0
+            busy = executor.busy()
             for message in self.chan.poll(_BUSY_POLL_S if busy else _IDLE_POLL_S):
                 if message.get("op") == "shutdown":
                     self._shutdown(message)
@@ -246,29 +288,37 @@ class RankProcess:
                 if message.get("op") == "die":  # the kill-rank fault on a rank of another node
                     os.kill(os.getpid(), signal.SIGKILL)
                 self._command(message)
-            if self.worker.in_flight() or self.worker.pending_releases():
-                for outcome in self.worker.poll():
-                    self.chan.send({"op": "outcome", "outcome": _outcome_out(outcome)})
-            messages = self.worker.take_messages()  # calls into NIXL every iteration
-            if messages:
-                self.chan.send({"op": "notif", "messages": messages})
+            self._report(executor.poll())  # calls into NIXL every iteration
+
+    def _report(self, events: list[Any]) -> None:
+        """Forward what happened on this rank: outcomes, notifications, late releases."""
+        messages = [e.message for e in events if isinstance(e, Message)]
+        for e in events:
+            if isinstance(e, Outcome):
+                self.chan.send({"op": "outcome", "outcome": self._outcome_out(e.outcome)})
+        if messages:
+            self.chan.send({"op": "notif", "messages": messages})
+        released = [e.request_id for e in events if isinstance(e, Released)]
+        if released:
+            self.chan.send({"op": "released", "request_ids": released})
+
+    def _outcome_out(self, outcome: Any) -> dict[str, Any]:
+        """An outcome on the wire; each transfer's path ends with the UCX transports this rank
+        uses for RMA (from UCX_PROTO_INFO in its log, once UCX has printed them)."""
+        data = outcome_to_wire(outcome)
+        transports = self._rma_transports()
+        for t in data["telemetry"]:
+            t["path"] = list(t["path"]) + [x for x in transports if x not in t["path"]]
+        return data
+
+    def _rma_transports(self) -> list[str]:
+        if not self._transports_seen:
+            self._transports_seen = self._transports()
+        return self._transports_seen
 
     def _shutdown(self, message: dict[str, Any]) -> None:
         seq = message.get("seq")
-        leftover = 0
-        if self.worker is not None:
-            give_up = getattr(self.worker.transport, "give_up_stalls", None)
-            if give_up is not None:  # an injected stall ends with the run, as a UCX timeout would
-                give_up()
-            try:
-                self.worker.shutdown()
-            except Exception as exc:
-                print(f"worker.shutdown: {type(exc).__name__}: {exc}", file=sys.stderr)
-            self.worker = None
-            held = self.transport.resources()
-            leftover = sum(held.values())
-            if leftover:
-                print(f"resources left after worker.shutdown: {held}", file=sys.stderr)
+        leftover = self._shutdown_worker()
         report = self._close_transport()
         self._send_quietly({"op": "reply", "seq": seq, "ok": True, "closed": report,
                             "leftover": leftover, "transports": self._transports()})
@@ -281,191 +331,43 @@ class RankProcess:
             return []
 
     def _command(self, message: dict[str, Any]) -> None:
+        """A driver command (clock, stats, ping) or a coordinator operation (pd.ops)."""
         op, seq = message.get("op"), message.get("seq")
-        handler: Callable[[dict[str, Any]], dict[str, Any]] | None = getattr(
-            self, f"_op_{op}", None)
-        if handler is None or not isinstance(seq, int):
-            self.chan.send({"op": "reply", "seq": seq if isinstance(seq, int) else -1,
-                            "ok": False, "error": f"unknown command {op!r}"})
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            self.chan.send({"op": "reply", "seq": -1, "ok": False,
+                            "error": f"command {op!r} without an int seq"})
             return
+        driver = getattr(self, f"_cmd_{op}", None) if isinstance(op, str) else None
         try:
-            result = handler(message)
+            if driver is not None:
+                self.chan.send({"op": "reply", "seq": seq, "ok": True, **driver(message)})
+                return
+            rank_op = op_from_wire(message)
+            assert self.executor is not None
+            value = self.executor.execute(rank_op)
+            self.chan.send({"op": "reply", "seq": seq, "ok": True,
+                            "value": reply_value_to_wire(rank_op, value)})
         except TransportError as exc:
             self.chan.send({"op": "reply", "seq": seq, "ok": False, "error": str(exc),
                             "kind": exc.kind})
-            return
-        except (ProtocolError, ValueError, KeyError, AssertionError) as exc:
+        except (ProtocolError, WireError, ValueError, KeyError, AssertionError) as exc:
             traceback.print_exc()
             self.chan.send({"op": "reply", "seq": seq, "ok": False,
                             "error": f"{type(exc).__name__}: {exc}", "kind": "rank_error"})
-            return
-        self.chan.send({"op": "reply", "seq": seq, "ok": True, **result})
 
-    # ---- memory access (VRAM goes through the host shadow) --------------------------------
-    def _host(self, write: bool, fn: Callable[[np.ndarray], Any]) -> Any:
-        from ..transport.nixl import device_sync
-
-        memory = self.worker.memory
-        if memory.mem_type != "VRAM":
-            return fn(memory.array)
-        device_sync(self.transport, memory, to_device=False)
-        before = memory.array.copy() if write else None
-        result = fn(memory.array)
-        if write:
-            words_now = memory.array[: memory.nbytes // 8 * 8].view(np.uint64)
-            words_old = before[: memory.nbytes // 8 * 8].view(np.uint64)
-            changed = np.flatnonzero(words_now != words_old)
-            if changed.size:  # push back only what this rank wrote (DMA may be landing elsewhere)
-                breaks = np.flatnonzero(np.diff(changed) != 1)
-                starts = np.concatenate([[changed[0]], changed[breaks + 1]])
-                ends = np.concatenate([changed[breaks], [changed[-1]]]) + 1
-                device_sync(self.transport, memory, to_device=True,
-                            ranges=[(int(a) * 8, int(b) * 8) for a, b in zip(starts, ends)])
-            tail = memory.nbytes % 8
-            if tail:
-                device_sync(self.transport, memory, to_device=True,
-                            ranges=[(memory.nbytes - tail, memory.nbytes)])
-        return result
-
-    # ---- commands -------------------------------------------------------------------------
-    def _op_oracle_write(self, message: dict[str, Any]) -> dict[str, Any]:
-        f = fields(message, {"request": int, "blocks": list, "tokens": list,
-                             "state_step": (int, type(None))})
-        if self.oracle is None:
-            return {}
-        blocks = groups_in(f["blocks"])
-        a, b = _token_range(f["tokens"])
-        self._host(True, lambda arr: self.oracle.write(
-            arr, self.layout, self.rank, f["request"], blocks=blocks, tokens=(a, b),
-            state_step=f["state_step"]))
-        return {}
-
-    def _op_verify(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Check the loaded bytes, then compute token N (as Cluster._verify_and_compute)."""
-        f = fields(message, {"request": int, "blocks": list, "tokens": list,
-                             "state_step": (int, type(None)), "compute": list,
-                             "compute_step": (int, type(None))})
-        if self.oracle is None:
-            return {"words": 0, "mismatches": []}
-        blocks = groups_in(f["blocks"])
-        a, b = _token_range(f["tokens"])
-        c0, c1 = _token_range(f["compute"])
-
-        def run(arr: np.ndarray) -> tuple[int, list]:
-            words, found = self.oracle.verify(arr, self.layout, self.rank, f["request"],
-                                              engine=self.engine, blocks=blocks, tokens=(a, b),
-                                              state_step=f["state_step"])
-            self.oracle.write(arr, self.layout, self.rank, f["request"], blocks=blocks,
-                              tokens=(c0, c1), state_step=f["compute_step"])
-            return words, found
-
-        words, found = self._host(True, run)
-        return {"words": int(words), "mismatches": [str(m) for m in found[:8]]}
-
-    def _op_post_process(self, message: dict[str, Any]) -> dict[str, Any]:
-        f = fields(message, {"zero": list, "kernel": list, "bsr": int})
-        zero, kernel = ids_in(f["zero"], "zero"), ids_in(f["kernel"], "kernel")
-
-        def run(_arr: np.ndarray) -> None:
-            self.worker.zero_sub_blocks(zero, f["bsr"])
-            self.worker.regroup_heads(kernel, f["bsr"])
-
-        self._host(True, run)
-        return {}
-
-    def _op_connect(self, message: dict[str, Any]) -> dict[str, Any]:
-        from ..connector.validate import HandshakeError
-        from ..geometry.specs import GeometryError
-
-        f = fields(message, {"remote_engine": str, "payloads": list})
-        payloads: dict[int, bytes] = {}
-        for item in f["payloads"]:
-            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], int)
-                    or not isinstance(item[1], bytes)):
-                raise ProtocolError("connect: payloads must be [rank, bytes] pairs")
-            payloads[item[0]] = item[1]
-        start = time.perf_counter()
-        try:
-            self.worker.connect(f["remote_engine"], payloads)
-        except (HandshakeError, GeometryError) as exc:
-            return {"error": str(exc)}
-        return {"error": None, "seconds": time.perf_counter() - start}
-
-    def _op_connect_notify_only(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Notification-only handshake (decode learns prefill's agents, no descriptors)."""
-        f = fields(message, {"metadata": list})
-        if not all(isinstance(md, bytes) for md in f["metadata"]):
-            raise ProtocolError("connect_notify_only: metadata must be bytes")
-        self.worker.connect_notify_only(f["metadata"])
-        return {}
-
-    def _op_evict(self, message: dict[str, Any]) -> dict[str, Any]:
-        f = fields(message, {"engine": str})
-        self.worker.evict(f["engine"])
-        return {}
-
-    def _op_send_notifs(self, message: dict[str, Any]) -> dict[str, Any]:
-        f = fields(message, {"agents": list, "message": bytes})
-        for agent in f["agents"]:
-            if not isinstance(agent, str):
-                raise ProtocolError("send_notifs: agents must be str")
-            self.transport.send_notif(agent, f["message"])
-        return {}
-
-    def _op_read(self, message: dict[str, Any]) -> dict[str, Any]:
-        from ..connector.worker import ReadRequest
-
-        f = fields(message, {"request_id": str, "prefill_request_id": str,
-                             "remote_engine": str, "prefill_blocks": list,
-                             "decode_blocks": list, "decode_hit_blocks": int})
-        req = ReadRequest(request_id=f["request_id"],
-                          prefill_request_id=f["prefill_request_id"],
-                          remote_engine=f["remote_engine"],
-                          prefill_blocks=groups_in(f["prefill_blocks"], "prefill_blocks"),
-                          decode_blocks=groups_in(f["decode_blocks"], "decode_blocks"),
-                          decode_hit_blocks=f["decode_hit_blocks"])
-        outcome = self.worker.start_read(req)
-        return {"outcome": None if outcome is None else _outcome_out(outcome)}
-
-    def _op_write(self, message: dict[str, Any]) -> dict[str, Any]:
-        from ..connector.push import PushRegistration, WriteRequest
-
-        f = fields(message, {"prefill_request_id": str, "registration": bytes,
-                             "prefill_blocks": list})
-        registration = PushRegistration.decode(f["registration"])
-        if registration is None:
-            raise ProtocolError("write: malformed push registration")
-        outcome = self.worker.start_write(WriteRequest(
-            prefill_request_id=f["prefill_request_id"], registration=registration,
-            prefill_blocks=groups_in(f["prefill_blocks"], "prefill_blocks")))
-        return {"outcome": None if outcome is None else _outcome_out(outcome)}
-
-    def _op_abort(self, message: dict[str, Any]) -> dict[str, Any]:
-        f = fields(message, {"request_id": str, "reason": str, "failure_class": str})
-        outcome = self.worker.abort(f["request_id"], f["reason"], f["failure_class"])
-        return {"outcome": None if outcome is None else _outcome_out(outcome)}
-
-    def _op_stats(self, message: dict[str, Any]) -> dict[str, Any]:
+    # ---- driver commands ------------------------------------------------------------------
+    def _cmd_stats(self, message: dict[str, Any]) -> dict[str, Any]:
         fields(message, {})
         return {"open_handles": int(self.transport.open_handles()),
                 "in_flight": int(self.worker.in_flight()),
                 "pending_releases": int(self.worker.pending_releases()),
                 "notification_failures": int(self.worker.notification_failures)}
 
-    def _op_clock(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_clock(self, message: dict[str, Any]) -> dict[str, Any]:
         """The run starts now: telemetry times count from ``epoch`` (wall clock)."""
         self.epoch = fields(message, {"epoch": float})["epoch"]
         return {}
 
-    def _op_ping(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_ping(self, message: dict[str, Any]) -> dict[str, Any]:
         fields(message, {})
         return {"pid": os.getpid()}
-
-
-def _token_range(value: Any) -> tuple[int, int]:
-    if (not isinstance(value, list) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
-            or value[0] > value[1]):
-        raise ProtocolError(f"a token range must be [start, stop] with 0 <= start <= stop, got "
-                            f"{value!r}")
-    return value[0], value[1]

@@ -248,6 +248,7 @@ class ConnectorWorker:
         except (TransportError, PairingError) as exc:
             outcome.reason = str(exc)
             outcome.failure_class = getattr(exc, "kind", "transfer_setup_failed")
+            outcome.unreleased = self._unreleased(req.request_id)
             return outcome
         self._in_flight[req.request_id] = _InFlight(request_id=req.request_id, handles=handles,
                                                     outcome=outcome)
@@ -354,6 +355,7 @@ class ConnectorWorker:
             outcome.reason = f"{type(exc).__name__}: {exc}" if isinstance(
                 exc, AssertionError) else str(exc)
             outcome.failure_class = getattr(exc, "kind", "transfer_setup_failed")
+            outcome.unreleased = self._unreleased(req.prefill_request_id)
             return outcome
         self._in_flight[req.prefill_request_id] = _InFlight(
             request_id=req.prefill_request_id, handles=handles, outcome=outcome)
@@ -496,7 +498,7 @@ class ConnectorWorker:
         driver must not reuse the request's destination blocks while this is non-zero."""
         flight = self._in_flight.get(request_id)
         posted = len(flight.handles) if flight is not None else 0
-        return posted + sum(rid == request_id for rid in self._zombies.values())
+        return posted + self._unreleased(request_id)
 
     def take_released(self) -> list[str]:
         """Requests whose last unreleasable handle was released since the last call (their
@@ -545,8 +547,11 @@ class ConnectorWorker:
         flight = self._in_flight.pop(rid)
         for h in flight.handles:
             self._release_quietly(h, rid)
-        flight.outcome.unreleased = sum(r == rid for r in self._zombies.values())
+        flight.outcome.unreleased = self._unreleased(rid)
         return flight.outcome
+
+    def _unreleased(self, request_id: str) -> int:
+        return sum(r == request_id for r in self._zombies.values())
 
     def abort(self, rid: str, reason: str, failure_class: str) -> RequestOutcome | None:
         if rid not in self._in_flight:

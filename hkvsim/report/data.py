@@ -78,7 +78,7 @@ def _geometry(model: Any) -> dict[str, Any]:
 
 
 def variant_from_result(result: Any, *, family: str, timing_only: bool = False) -> Variant:
-    """A :class:`Variant` from a live ``hkvsim.cluster.RunResult`` (``timing_only``: it was run
+    """A :class:`Variant` from a live ``hkvsim.pd.records.RunResult`` (``timing_only``: it was run
     with ``run_scenario(timing_only=True)``)."""
     from ..results import expectation_problems
 

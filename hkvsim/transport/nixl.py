@@ -18,7 +18,7 @@ released, so that the hazards of NIXL's Python API (DOMAIN.md §11.4) become lou
 5. The built-in listener binds 0.0.0.0: it is always off here; metadata travels over
    :mod:`hkvsim.backends.side_channel`, bound to 127.0.0.1 by default.
 6. With the progress thread off the first transfer hangs in PROC unless the target keeps calling
-   into NIXL: the rank processes of :mod:`hkvsim.backends.nixl_runner` poll
+   into NIXL: the rank processes of :mod:`hkvsim.backends.rank` poll
    ``get_new_notifs`` in their loop, so the thread is off by default (on a 2-core box its busy
    polling starves the copies: 12.5 GB/s with it off vs 1-10 GB/s, erratic, with it on).
 7. Peer death: a post or notify raises REMOTE_DISCONNECT, mapped to ``kind="remote_disconnect"``.

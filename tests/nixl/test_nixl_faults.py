@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hkvsim.backends.nixl_runner import NixlRunOptions, run_scenario_nixl
+from hkvsim.drivers.nixl import NixlRunOptions, run_scenario_nixl
 from hkvsim.results import expectation_problems, result_json
 from hkvsim.scenario import load_scenarios
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hkvsim.backends.nixl_runner import NixlRunError, NixlRunOptions, run_scenario_nixl
+from hkvsim.drivers.nixl import NixlRunError, NixlRunOptions, run_scenario_nixl
 from hkvsim.cluster import run_scenario
 from hkvsim.results import result_json
 from hkvsim.scenario import parse_scenarios

@@ -1,0 +1,256 @@
+"""The simulated-fabric driver: the coordinator's events and effects on simpy virtual time.
+
+It builds the simulated world (fabric, one agent and one in-process rank per TP rank), then only
+moves things between the sans-I/O coordinator (:mod:`hkvsim.pd.coordinator`) and the ranks: calls
+are carried out at once (handshakes after their modelled latency), transport activity becomes
+rank events, the coordinator's next deadline becomes a simpy timeout. Everything runs in virtual
+time, deterministically: the same scenario and seed give the same bytes and the same times.
+
+The simulator also watches what real hardware cannot: every transfer's destination blocks are
+checked against the coordinator's block owners when it is posted and when its bytes land (stray
+writes, late landings).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import simpy
+
+from ..connector.worker import ConnectorWorker
+from ..fabric import Fabric, load_profile, place_engines
+from ..faults import FaultPlan
+from ..oracle import OUTSIDE_BLOCKS, Oracle, blocks_touched
+from ..pd.coordinator import Call, Coordinator
+from .base import CoordinatorLoop
+from ..pd.deployment import build_deployment
+from ..pd.ops import Connect, ConnectNotifyOnly, Died, RankError, RankId, Reply, StartRead, StartWrite
+from ..pd.pool import FREE_BLOCK
+from ..pd.rank import RankExecutor
+from ..pd.records import RunResult
+from ..scenario import Scenario
+from ..transport.base import TransportError
+from ..transport.sim import SimWorld
+
+__all__ = ["SimDriver", "run_scenario"]
+
+log = logging.getLogger("hkvsim.sim")
+
+
+class SimDriver:
+    """Runs one scenario on the simulated fabric."""
+
+    def __init__(self, scenario: Scenario, *, timing_only: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.scenario = scenario
+        self.dep = build_deployment(scenario)
+        self.verify = scenario.workload.verify and not timing_only
+        self.progress = progress
+        self.env = simpy.Environment()
+        profile = load_profile(scenario.fabric.profile, overrides=dict(scenario.fabric.overrides))
+        self.profile = profile
+        specs = [(e.engine_id, e.role, e.tp) for e in self.dep.all_engines()]
+        self.fabric = Fabric(self.env, profile, place_engines(profile, specs))
+        self.world = SimWorld(self.env, self.fabric, move_bytes=self.verify)
+        faults = None
+        if scenario.faults:
+            faults = FaultPlan(scenario.faults, seed=scenario.scenario.seed,
+                               transfer_timeout=scenario.connector.transfer_timeout_seconds)
+            self.world.faults = faults
+        self.coord = Coordinator(self.dep, verify=self.verify, faults=faults)
+        self.ranks: dict[RankId, RankExecutor] = {}
+        self._agent_rank: dict[str, RankId] = {}
+        self._base: dict[RankId, int] = {}
+        for spec in self.dep.all_engines():
+            settings = self.dep.settings[spec.role]
+            oracle = Oracle(spec.layout.model) if self.verify else None
+            for r in range(spec.tp):
+                rank = (spec.engine_id, r)
+                transport = self.world.create_agent(f"{spec.engine_id}.{r}", rank)
+                worker = ConnectorWorker(engine_id=spec.engine_id, role=spec.role, tp_rank=r,
+                                         layout=spec.layout, transport=transport,
+                                         settings=settings, device_id=r)
+                memory = worker.register(mem_type=profile.memory)
+                self.ranks[rank] = RankExecutor(rank, worker, oracle)
+                self._agent_rank[transport.name] = rank
+                self._base[rank] = memory.base_addr
+                self.coord.set_rank_info(rank, payload=worker.handshake_payload(),
+                                         agent=transport.name,
+                                         agent_metadata=transport.get_agent_metadata())
+                self.world.on_activity(transport.name, lambda rank=rank: self._on_activity(rank))
+        self.world.landing_guard = self._on_landing
+        self.world.on_death = self._on_death
+        self.loop = CoordinatorLoop(self.coord, self._carry_out, self._after_input)
+        self._timer_at: float | None = None
+        self._timer_gen = 0
+        self._done = 0
+
+    # ---- the run --------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        faults = self.world.faults
+        if faults is not None:
+            for at, agent in faults.timed_deaths(list(self._agent_rank)):
+                self.env.process(self._kill_at(at, agent))
+        self._deliver(lambda: self.coord.start(self.env.now))
+        self.env.run()
+        return self._result()
+
+    def _kill_at(self, at: float, agent: str) -> Any:
+        yield self.env.timeout(at)
+        log.warning("fault: agent %s dies at t=%.6f s", agent, self.env.now)
+        self.world.kill(agent)
+        faults = self.world.faults
+        faults.injected["disconnect-peer"] = faults.injected.get("disconnect-peer", 0) + 1
+
+    # ---- moving things between the coordinator and the ranks -----------------------------------
+    def _deliver(self, feed: Callable[[], None]) -> None:
+        self.loop.deliver(feed)
+
+    def _carry_out(self, effects: list[Any]) -> None:
+        replies = []
+        for effect in effects:
+            if not isinstance(effect, Call):
+                continue  # Posting: the simulator injects its faults inside the transport
+            if isinstance(effect.op, (Connect, ConnectNotifyOnly)):
+                self.env.process(self._after_handshake_latency(effect))
+                continue
+            replies.append(self._execute(effect))
+        if replies:
+            self.coord.on_replies(replies, self.env.now)
+
+    def _after_input(self) -> None:
+        self._arm_timer()
+        self._report_progress()
+
+    def _execute(self, call: Call) -> Reply:
+        op = call.op
+        owner = op.request if isinstance(op, (StartRead, StartWrite)) else None
+        self.world.post_owner = owner
+        try:
+            return Reply(call.call_id, value=self.ranks[call.rank].execute(op))
+        except TransportError as exc:
+            return Reply(call.call_id, error=RankError(exc.kind, str(exc)))
+        finally:
+            self.world.post_owner = None
+
+    def _after_handshake_latency(self, call: Call) -> Any:
+        """A handshake costs the metadata fetches from every remote rank it contacts."""
+        engine_id, rank = call.rank
+        op = call.op
+        if isinstance(op, Connect):
+            remote = self.dep.engine(op.remote_engine)
+            local_tp = self.dep.engine(engine_id).tp
+            targets = Coordinator.handshake_targets(local_tp, remote.tp, rank)
+        else:
+            assert isinstance(op, ConnectNotifyOnly)
+            remote = self.dep.engine(op.remote_engine)
+            targets = tuple(range(remote.tp))
+        yield simpy.AllOf(self.env, [self.fabric.handshake(call.rank, (remote.engine_id, t))
+                                     for t in targets])
+        self._deliver(lambda: self.coord.on_replies([self._execute(call)], self.env.now))
+
+    def _on_activity(self, rank: RankId) -> None:
+        """A transfer of, or a message to, the rank completed: poll it (the sans-I/O core is
+        driven from here, as the engine's step loop drives the reference connector)."""
+        events = self.ranks[rank].poll()
+        if events:
+            self._deliver(lambda: self.coord.on_events(events, self.env.now))
+
+    def _on_death(self, agent: str) -> None:
+        rank = self._agent_rank[agent]
+        reason = f"{rank[0]} rank {rank[1]} died: agent {agent} disconnected"
+        self._deliver(lambda: self.coord.on_events([Died(rank, reason)], self.env.now))
+
+    def _arm_timer(self) -> None:
+        deadline = self.coord.next_timer()
+        if deadline is None or (self._timer_at is not None and self._timer_at <= deadline):
+            return
+        self._timer_at = deadline
+        self._timer_gen += 1
+        gen = self._timer_gen
+        self.env.timeout(max(0.0, deadline - self.env.now)).callbacks.append(
+            lambda _: self._on_timer(gen))
+
+    def _on_timer(self, gen: int) -> None:
+        if gen != self._timer_gen:
+            return  # superseded by an earlier deadline
+        self._timer_at = None
+        self._deliver(lambda: self.coord.on_timer(self.env.now))
+
+    def _report_progress(self) -> None:
+        if self.progress is None:
+            return
+        done = sum(r.status != "pending" for r in self.coord.records)
+        if done != self._done:
+            self._done = done
+            self.progress(done, len(self.coord.records))
+
+    # ---- the landing guard ----------------------------------------------------------------
+    def _on_landing(self, agent: str, addrs: np.ndarray, lengths: np.ndarray, owner: Any,
+                    landed: bool) -> bool:
+        """A transfer is posted, or its bytes land: every destination block must belong to the
+        request the transfer was posted for. At posting, anything else is a stray write (the
+        connector aimed at blocks its request does not hold); at landing, a late landing (bytes
+        in a block freed, maybe reused, since). Returns True when something was flagged."""
+        if owner is None:
+            return False
+        rank = self._agent_rank[agent]
+        engine = self.coord.engine(rank[0])
+        _, blocks = blocks_touched(engine.layout, addrs - self._base[rank], lengths)
+        owners = np.where(blocks == OUTSIDE_BLOCKS, OUTSIDE_BLOCKS - 1,
+                          engine.pool.owner[np.maximum(blocks, 0)])
+        bad = owners != owner
+        if not bad.any():
+            return False
+        where = [f"request {v}" for v in sorted({int(v) for v in owners[bad] if v >= 0})]
+        if (owners[bad] == FREE_BLOCK).any():
+            where.append("the free pool")
+        if (blocks[bad] == OUTSIDE_BLOCKS).any():
+            where.append("bytes outside every block")
+        self.coord.note_misplaced_write(
+            int(owner), agent, int(np.unique(blocks[bad & (blocks >= 0)]).size),
+            victims=sorted({int(v) for v in owners[bad] if v >= 0}), where=where, landed=landed)
+        return True
+
+    # ---- the result -----------------------------------------------------------------------
+    def _result(self) -> RunResult:
+        coord = self.coord
+        workers = [ex.worker for ex in self.ranks.values()]
+        counters = dict(coord.counters)
+        counters["notification_failures"] += sum(w.notification_failures for w in workers)
+        counters["dropped_messages"] = self.world.dropped_messages
+        faults = self.world.faults
+        if faults is not None:
+            counters["faults_injected"] = sum(faults.injected.values())
+            for kind, n in sorted(faults.injected.items()):
+                counters[f"fault:{kind}"] = n
+        pools = coord.leaks()
+        leaks = {"prefill_blocks": pools["prefill_blocks"],
+                 "decode_blocks": pools["decode_blocks"],
+                 "open_handles": sum(w.transport.open_handles() for w in workers),
+                 "quarantined_blocks": pools["quarantined_blocks"]}
+        for w in workers:  # clean shutdown (§9.4): everything released, memory deregistered
+            w.shutdown()
+        leftover: dict[str, int] = {}
+        for w in workers:
+            for k, v in w.transport.resources().items():
+                leftover[k] = leftover.get(k, 0) + v
+        leaks["after_shutdown"] = sum(leftover.values())
+        if leaks["after_shutdown"]:
+            log.warning("resources left after shutdown: %s", leftover)
+        layouts = {role: es[0].layout for role, es in self.dep.engines.items()}
+        return RunResult(scenario=self.scenario, records=coord.records,
+                         misplaced_write_reports=coord.misplaced_write_reports,
+                         handshake_errors=coord.handshake_errors, leaks=leaks, counters=counters,
+                         sim_seconds=coord.makespan(), layouts=layouts,
+                         link_segments=self.fabric.link_segments())
+
+
+def run_scenario(scenario: Scenario, *, timing_only: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> RunResult:
+    """Run one scenario on the simulated fabric (``timing_only``: move no bytes, verify none;
+    ``progress(done, total)`` is called as requests reach a terminal state)."""
+    return SimDriver(scenario, timing_only=timing_only, progress=progress).run()

@@ -1,0 +1,147 @@
+"""An engine's block pool: the free list, who owns each block, and version stamps.
+
+Pure bookkeeping, shared by every driver: the coordinator allocates and frees; the simulated
+fabric's landing guard reads ``owner`` to flag bytes that land in a block their request does not
+own any more; ``version`` catches prefill blocks freed while a transfer still reads them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ..geometry.layout import EngineLayout
+
+__all__ = ["FREE_BLOCK", "BlockAllocator", "EnginePool", "blocks_per_request",
+           "default_num_blocks", "engine_pool_blocks", "freed_while_reading"]
+
+FREE_BLOCK = -1  # EnginePool.owner of a block in the free pool
+
+
+class BlockAllocator:
+    """A deterministic free list of logical block ids shared by every HMA group of an engine."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> np.ndarray:
+        if n > len(self._free):
+            raise MemoryError(f"need {n} blocks, {len(self._free)} free of {self.num_blocks}")
+        return np.array([self._free.popleft() for _ in range(n)], dtype=np.int64)
+
+    def free(self, ids: np.ndarray) -> None:
+        self._free.extend(int(i) for i in ids)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+
+class EnginePool:
+    """One engine's blocks: allocation per HMA group, owners, version stamps."""
+
+    def __init__(self, layout: EngineLayout) -> None:
+        self.layout = layout
+        self.allocator = BlockAllocator(layout.num_logical_blocks)
+        # the request (index) each logical block is allocated to, FREE_BLOCK when in the pool
+        self.owner = np.full(layout.num_logical_blocks, FREE_BLOCK, dtype=np.int64)
+        # bumped on every free: a transfer that reads blocks whose version changed under it
+        # read freed (maybe reused) memory
+        self.version = np.zeros(layout.num_logical_blocks, dtype=np.int64)
+
+    def blocks_needed(self, n_attention: int) -> int:
+        layout = self.layout
+        return n_attention * len(layout.attention_groups) + len(layout.state_groups)
+
+    def can_allocate(self, n_attention: int) -> bool:
+        return self.allocator.can_allocate(self.blocks_needed(n_attention))
+
+    def allocate(self, n_attention: int, owner: int) -> dict[int, np.ndarray]:
+        """``n_attention`` blocks in every attention group and one slot per state group."""
+        blocks: dict[int, np.ndarray] = {}
+        for group in self.layout.groups:
+            n = n_attention if group.kind == "attention" else 1
+            blocks[group.group_id] = self.allocator.allocate(n)
+            self.owner[blocks[group.group_id]] = owner
+        return blocks
+
+    def free(self, blocks: dict[int, np.ndarray], *, stamp: bool = True) -> None:
+        """Return blocks to the pool. ``stamp`` bumps their versions, so a transfer still moving
+        them is caught; only push's own completion (its WRITEs are DONE) skips it."""
+        for ids in blocks.values():
+            self.allocator.free(ids)
+            self.owner[ids] = FREE_BLOCK
+            if stamp:
+                self.version[ids] += 1
+
+    def versions(self, blocks: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        return {g: self.version[ids].copy() for g, ids in blocks.items()}
+
+    @property
+    def used(self) -> int:
+        return self.allocator.used
+
+
+def blocks_per_request(layout: EngineLayout, tokens: int) -> int:
+    """Logical blocks one request of ``tokens`` tokens takes from an engine's pool: its
+    attention blocks in every attention group plus one state slot per state group."""
+    return (layout.blocks_for_tokens(tokens) * len(layout.attention_groups)
+            + len(layout.state_groups))
+
+
+def default_num_blocks(layout: EngineLayout, prompts: np.ndarray, *, max_inflight: int | None,
+                       instances: int) -> int:
+    """Enough logical blocks for an engine's share of the concurrently live requests (the
+    default when a scenario gives no num_blocks; both backends size pools this way)."""
+    live = max_inflight or len(prompts)
+    per_request = blocks_per_request(layout, int(prompts.max()))
+    share = -(-min(live, len(prompts)) // instances)
+    return max(1, share * per_request)
+
+
+def engine_pool_blocks(scenario: Any, role: str, probe: EngineLayout, prompts: np.ndarray,
+                       *, prefill_tokens: int) -> int:
+    """The logical block count of one engine of ``role``: ``[role] num_blocks``, or a default
+    sized for its share of the live requests. A pool that cannot hold the largest request is
+    refused here (a run would wait for blocks forever): the error names the key, the value and
+    the minimum the workload needs. ``prefill_tokens`` is the largest request's token count on
+    the prefill side (prefill computes N-1 tokens for models with state)."""
+    section = getattr(scenario, role)
+    tokens = prefill_tokens if role == "prefill" else int(prompts.max())
+    minimum = blocks_per_request(probe, tokens)
+    if section.num_blocks is None:
+        return max(minimum, default_num_blocks(probe, prompts,
+                                               max_inflight=scenario.workload.max_inflight,
+                                               instances=section.instances))
+    if section.num_blocks < minimum:
+        from ..scenario import ScenarioError
+
+        raise ScenarioError(
+            f"{section.num_blocks} logical block(s) cannot hold the largest request "
+            f"({int(prompts.max())}-token prompt: {tokens} tokens on {role} need {minimum} "
+            f"blocks of {probe.logical_block_size} tokens across "
+            f"{len(probe.attention_groups)} attention and {len(probe.state_groups)} state "
+            f"group(s)); allowed: >= {minimum}", source=scenario.where,
+            key=f"{role}.num_blocks")
+    return section.num_blocks
+
+
+def freed_while_reading(engine_id: str, block_version: np.ndarray,
+                        blocks: dict[int, np.ndarray], versions: dict[int, np.ndarray]
+                        ) -> tuple[str, str] | None:
+    """The early-free race (DOMAIN.md §9.5 scenario 10): prefill freed (and maybe reused)
+    blocks before decode finished reading them. Detected by version stamps, so it is a failure
+    even when the stale bytes happen to still be right."""
+    for group, ids in blocks.items():
+        changed = ids[block_version[ids] != versions[group]]
+        if changed.size:
+            return ("freed_while_reading",
+                    f"prefill {engine_id} freed blocks {changed[:8].tolist()} of group {group} "
+                    f"while they were being transferred (lease expired early)")
+    return None
