@@ -492,7 +492,8 @@ class Coordinator:
         dead = [r for r in range(decode.tp) if r in decode.dead]
         failure: tuple[str, str] | None
         if dead:
-            failure = ("remote_disconnect", f"decode rank {decode.engine_id}.{dead[0]} is dead")
+            failure = ("remote_disconnect", f"decode rank {decode.engine_id}.{dead[0]} is dead "
+                       f"({decode.dead[dead[0]]})")
         else:
             req.enter(Phase.CONNECTING)
             self._start_loading(decode, rec, prefill, p_rid)
