@@ -84,6 +84,7 @@ __all__ = [
 
 MAX_TOKENS = 1 << 24  # per request; far above any context length, keeps token math in int64
 MAX_SWEEP_VARIANTS = 10_000
+MAX_BLOCK_SIZE = 4096  # tokens, a power of two
 FAULT_KINDS = (
     "drop-notification",
     "delay-notification",
@@ -347,19 +348,23 @@ class ModelSection(_Section):
         return str(path)
 
 
+CacheDtype = Literal["bfloat16", "float16", "fp8", "fp8_ds_mla"]
+
+
 class EngineSection(_Section):
     """One engine role (``[prefill]`` or ``[decode]``)."""
 
     tp: Annotated[int, Strict(), Field(ge=1, le=64)] = 1  # fit to the model is checked later
     instances: Annotated[int, Strict(), Field(ge=1)] = 1
-    block_size: Annotated[int, Strict(), _power_of_two(1, 4096)] | None = None  # None: smallest
+    # None: the backend's smallest kernel block
+    block_size: Annotated[int, Strict(), _power_of_two(1, MAX_BLOCK_SIZE)] | None = None
     num_blocks: Annotated[int, Strict(), Field(gt=0)] | None = None  # None: sized by the runner
     prefix_caching: Bool = False
     kv_cache_layout: KVCacheLayout = "HND"
     attention_backend: Str | None = None  # checked by geometry when the layout is built
     # The KV cache dtype of this engine's attention layers (None: the model's dtype). It enters
     # the compatibility hash; with enforce_handshake_compat = false a mismatch reaches rule V6.
-    cache_dtype: Literal["bfloat16", "float16", "fp8", "fp8_ds_mla"] | None = None
+    cache_dtype: CacheDtype | None = None
     # This engine runs another checkpoint (a preset name) than [model]: a misdeployment that the
     # compatibility hash (or, with enforce_handshake_compat = false, rules V6/V7) must refuse.
     preset: PresetName | None = None
@@ -387,11 +392,53 @@ class ConnectorSection(_Section):
         return quirks
 
 
+def _scalar(value: Any) -> Any:
+    """A TOML scalar kept as written (16 stays an int); the profile decides what a key takes."""
+    if not isinstance(value, (bool, int, float, str)):
+        raise _err("expected a number or a string")
+    return value
+
+
+OverrideValue = Annotated[Any, AfterValidator(_scalar)]
+
+
 class FabricSection(_Section):
-    """A fabric profile name plus numeric overrides (names are checked by the fabric module)."""
+    """A fabric profile (a shipped name or a ``.toml`` path) plus overrides of its keys.
+
+    A path is resolved against the scenario file's directory (the validation context's
+    ``base_dir``; the working directory without one) and stored as an absolute path. The profile
+    is loaded with the overrides here, so an unknown profile, an unknown override key or a value
+    of the wrong type is an error of this file (the fabric module decides what is allowed:
+    integers for integer keys, integers or floats for number keys, strings for string keys).
+    """
 
     profile: Str = "h200-nvlink"
-    overrides: dict[str, PositiveFloat] = Field(default_factory=dict)
+    overrides: dict[str, OverrideValue] = Field(default_factory=dict)
+
+    @field_validator("profile")
+    @classmethod
+    def _resolve(cls, value: str, info: ValidationInfo) -> str:
+        from .fabric.profile import ProfileError, is_profile_path, resolve_profile
+
+        context = info.context if isinstance(info.context, dict) else {}
+        try:
+            path = resolve_profile(value, base_dir=context.get("base_dir"))
+        except ProfileError as exc:
+            raise _err(exc.problem, show_input=False) from None
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise _err(f"unusable path ({exc})") from None
+        return str(path) if is_profile_path(value) else value
+
+    @model_validator(mode="after")
+    def _loads(self) -> FabricSection:
+        from .fabric.profile import ProfileError, load_profile
+
+        try:
+            load_profile(self.profile, overrides=self.overrides)
+        except ProfileError as exc:
+            key = "profile" if exc.override_key is None else f"overrides.{exc.override_key}"
+            raise _err(exc.problem, key=key, show_input=False) from None
+        return self
 
 
 class Workload(_Section):
@@ -844,7 +891,87 @@ def _build(
     if point:
         name = f"{validated.scenario.name} [{_label(point)}]"
         sections["scenario"] = validated.scenario.model_copy(update={"name": name})
-    return Scenario(**sections, sweep_point=dict(point), source=source)
+    scenario = Scenario(**sections, sweep_point=dict(point), source=source)
+    _check_engines(scenario)
+    return scenario
+
+
+_ALLOWED_HINT = re.compile(r"\s*\(allowed[^)]*\)")  # geometry's own hint, replaced by a list
+
+
+def _check_engines(scenario: Scenario) -> None:
+    """Each engine's geometry fits its model, or a ScenarioError naming the engine's key.
+
+    The checks the runner would hit when it builds the engines, made at load time so that each
+    names the file, the variant and the key at fault (``prefill.tp``, ``decode.block_size``...)
+    with what is allowed.
+    """
+    from .cluster import engine_layout, engine_model  # the runner's own construction
+
+    model = scenario.model_spec()
+    for role in ("prefill", "decode"):
+        section: EngineSection = getattr(scenario, role)
+
+        def fail(key: str, problem: str) -> ScenarioError:
+            return ScenarioError(problem, source=scenario.where, key=f"{role}.{key}")
+
+        base = preset(section.preset) if section.preset is not None else model
+        try:
+            engine_model(base, section.model_copy(update={"cache_dtype": None}))
+        except GeometryError as exc:
+            raise fail("attention_backend", str(exc)) from None
+        try:
+            spec = engine_model(base, section)
+        except GeometryError as exc:
+            dtypes = [d for d in get_args(CacheDtype) if _engine_model_ok(base, section, d)]
+            raise fail("cache_dtype", f"{exc}; allowed: {', '.join(dtypes)}") from None
+        try:
+            spec.check_tp(section.tp)
+        except GeometryError as exc:
+            fits = [str(t) for t in range(1, 65) if _fits(spec, t)]
+            raise fail("tp", f"{_ALLOWED_HINT.sub('', str(exc))} ({spec.name}); allowed: "
+                             f"{', '.join(fits) or 'none up to 64'}") from None
+        try:
+            engine_layout(model, section, num_blocks=1,
+                          registration_order=scenario.connector.registration_order,
+                          quirks=frozenset(scenario.connector.quirks))
+        except GeometryError as exc:
+            if section.block_size is None:
+                raise fail("tp", str(exc)) from None
+            sizes = [str(b) for b in _BLOCK_SIZES if _unifies(spec, section.tp, b)]
+            raise fail("block_size", f"{_ALLOWED_HINT.sub('', str(exc))}; allowed: "
+                                     f"{', '.join(sizes) or 'none'}") from None
+
+
+def _engine_model_ok(model: ModelSpec, section: EngineSection, cache_dtype: str) -> bool:
+    from .cluster import engine_model
+
+    try:
+        engine_model(model, section.model_copy(update={"cache_dtype": cache_dtype}))
+    except GeometryError:
+        return False
+    return True
+
+
+_BLOCK_SIZES = tuple(1 << k for k in range(MAX_BLOCK_SIZE.bit_length()))  # schema's range
+
+
+def _unifies(model: ModelSpec, tp: int, block_size: int) -> bool:
+    from .geometry.layout import unify_pages
+
+    try:
+        unify_pages(model, tp, block_size)
+    except GeometryError:
+        return False
+    return True
+
+
+def _fits(model: ModelSpec, tp: int) -> bool:
+    try:
+        model.check_tp(tp)
+    except GeometryError:
+        return False
+    return True
 
 
 def parse_scenarios(

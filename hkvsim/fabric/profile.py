@@ -33,6 +33,7 @@ __all__ = [
     "PROFILE_DIR",
     "TOML_KEYS",
     "load_profile",
+    "is_profile_path",
     "profile_names",
     "resolve_profile",
 ]
@@ -195,7 +196,7 @@ def profile_names(search_dirs: list[Path] | None = None) -> list[str]:
     return sorted(names)
 
 
-def _is_path(name_or_path: str) -> bool:
+def is_profile_path(name_or_path: str) -> bool:
     """A path ends in ``.toml`` or has a directory part; anything else is a profile name."""
     return name_or_path.endswith(".toml") or "/" in name_or_path or os.sep in name_or_path
 
@@ -213,7 +214,7 @@ def resolve_profile(
     """
     dirs = [PROFILE_DIR] if search_dirs is None else [Path(d) for d in search_dirs]
     text = str(name_or_path)
-    if _is_path(text):
+    if is_profile_path(text):
         path = Path(text).expanduser()
         if not path.is_absolute():
             path = Path(base_dir if base_dir is not None else Path.cwd()) / path
