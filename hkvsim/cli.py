@@ -98,11 +98,13 @@ def _print_plan(console: Any, plan: dict[str, Any]) -> None:
     console.print("handshake: " + ("[green]ok[/]" if hs["ok"] else f"[red]refused[/]: {hs['error']}"))
     reqs = plan["requests"]
     if reqs:
-        t = Table("request", "prompt", "hit", "descriptors", "bytes", "transfers",
-                  "predicted transfer", title="planned requests")
+        t = Table("request", "prompt", "hit asked", "hit reused", "descriptors", "bytes",
+                  "transfers", "predicted transfer", title="planned requests")
         for r in reqs[:20]:
             pred = r.get("predicted_transfer_seconds")
+            reused = r["effective_prefix_hit_tokens"]
             t.add_row(str(r["index"]), f"{r['prompt_tokens']:,}", f"{r['prefix_hit_tokens']:,}",
+                      "-" if reused is None else f"{reused:,}",
                       f"{r['descriptors']:,}", f"{r['bytes']:,}", str(r["transfers"]),
                       f"{pred * 1e3:.3f} ms" if pred is not None else r.get("error", "-"))
         if len(reqs) > 20:

@@ -43,6 +43,7 @@ from .geometry.specs import GeometryError, ModelSpec
 from .oracle import Oracle
 from .scenario import Scenario
 from .transport.sim import SimWorld
+from .workload import hit_rounding_warnings
 
 __all__ = ["BlockAllocator", "RequestRecord", "RunResult", "Engine", "Cluster", "engine_layout",
            "default_num_blocks", "freed_while_reading", "run_scenario"]
@@ -153,8 +154,9 @@ class RequestRecord:
     index: int
     request_id: str
     prompt_tokens: int
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int  # requested
     arrival: float
+    effective_prefix_hit_tokens: int | None = None  # reused: whole decode logical blocks
     prefill_engine: str = ""
     decode_engine: str = ""
     status: str = "pending"  # ok | failed | aborted | pending (hung if pending at the end)
@@ -184,6 +186,7 @@ class RunResult:
     sim_seconds: float
     layouts: dict[str, EngineLayout]
     link_segments: list[Any] = field(default_factory=list)  # fabric LinkSegment records
+    warnings: list[str] = field(default_factory=list)  # e.g. prefix hits rounded down
 
     @property
     def hung(self) -> int:
@@ -387,7 +390,9 @@ class Cluster:
         return RunResult(scenario=self.scenario, records=self.records,
                          handshake_errors=self.handshake_errors, leaks=leaks,
                          counters=self.counters, sim_seconds=self._makespan(), layouts=layouts,
-                         link_segments=self.fabric.link_segments())
+                         link_segments=self.fabric.link_segments(),
+                         warnings=hit_rounding_warnings(self.scenario, self.records,
+                                                        layouts["decode"]))
 
     def _makespan(self) -> float:
         """Simulated time of the last request event (a cancelled lease timer still sits in the
@@ -551,6 +556,7 @@ class Cluster:
         load_tokens = rec.prompt_tokens - 1
         hit_blocks = min(rec.prefix_hit_tokens, load_tokens) // layout.logical_block_size
         hit_tokens = hit_blocks * layout.logical_block_size
+        rec.effective_prefix_hit_tokens = hit_tokens
         full_hit = hit_tokens >= load_tokens
         if decode.oracle is not None and hit_blocks:
             for w in decode.workers:

@@ -82,6 +82,7 @@ from ..connector.quirks import check_quirks
 from ..connector.worker import parse_notification
 from ..geometry.layout import EngineLayout
 from ..scenario import Scenario
+from ..workload import hit_rounding_warnings
 from .side_channel import (
     DEFAULT_HOST,
     ChannelClosed,
@@ -815,7 +816,9 @@ class NixlCluster:
         return RunResult(scenario=self.scenario, records=self.records,
                          handshake_errors=self.handshake_errors, leaks=leaks,
                          counters=self.counters, sim_seconds=float(max(ends, default=0.0)),
-                         layouts=layouts, link_segments=[])
+                         layouts=layouts, link_segments=[],
+                         warnings=hit_rounding_warnings(self.scenario, self.records,
+                                                        layouts["decode"]))
 
     def _run_budget(self, last_arrival: float) -> float:
         if self.options.run_timeout is not None:
@@ -989,6 +992,7 @@ class NixlCluster:
         load_tokens = rec.prompt_tokens - 1
         hit_blocks = min(rec.prefix_hit_tokens, load_tokens) // layout.logical_block_size
         hit_tokens = hit_blocks * layout.logical_block_size
+        rec.effective_prefix_hit_tokens = hit_tokens
         full_hit = hit_tokens >= load_tokens
         job = _DecodeJob(blocks=blocks, load={}, hit_blocks=hit_blocks, load_tokens=load_tokens)
         try:
