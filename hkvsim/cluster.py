@@ -346,11 +346,7 @@ class Cluster:
     # ---- run -------------------------------------------------------------------------------
     def run(self) -> RunResult:
         wl = self.scenario.workload
-        if wl.arrival == "poisson":
-            gaps = self.rng.exponential(1.0 / float(wl.rate), size=len(self.prompts))
-            arrivals = np.cumsum(gaps) - gaps[0]
-        else:
-            arrivals = np.zeros(len(self.prompts))
+        arrivals = self.scenario.arrival_times(len(self.prompts), self.rng)
         slots = simpy.Resource(self.env, capacity=wl.max_inflight or len(self.prompts))
         if self.world.faults is not None:
             agents = [w.transport.name for es in self.engines.values() for e in es

@@ -35,7 +35,7 @@ import re
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 import numpy as np
 from numpy.typing import NDArray
@@ -59,6 +59,9 @@ from .geometry.layout import KV_CACHE_LAYOUTS, REGISTRATION_ORDERS
 from .geometry.presets import preset, preset_names
 from .geometry.specs import GeometryError, ModelSpec
 
+if TYPE_CHECKING:
+    from .traces import Trace
+
 __all__ = [
     "ScenarioError",
     "Scenario",
@@ -76,6 +79,7 @@ __all__ = [
     "Expect",
     "FAULT_KINDS",
     "MAX_TOKENS",
+    "MAX_REQUESTS",
     "MAX_SWEEP_VARIANTS",
     "load_scenarios",
     "parse_scenarios",
@@ -441,17 +445,57 @@ class FabricSection(_Section):
         return self
 
 
+_TRACE_FIXES = ("prompt_tokens", "prefix_hit_tokens", "arrival", "rate")
+MAX_REQUESTS = 1_000_000
+
+
 class Workload(_Section):
-    requests: Annotated[int, Strict(), Field(ge=1, le=1_000_000)]
-    prompt_tokens: PromptTokens
+    """The requests: sampled (``requests``, ``prompt_tokens``, ``prefix_hit_tokens``, ``arrival``,
+    ``rate``) or replayed from a trace file (``trace``, see :mod:`hkvsim.traces`).
+
+    A trace fixes the prompt lengths, prefix hits and arrivals, so those four keys are refused
+    beside it; ``requests`` then caps the replay at the trace's first ``requests`` lines (at most
+    as many as it has). ``trace`` is resolved against the scenario file's directory (the
+    validation context's ``base_dir``) and stored as an absolute path; the file is read and
+    validated here.
+    """
+
+    requests: Annotated[int, Strict(), Field(ge=1, le=MAX_REQUESTS)] | None = None
+    prompt_tokens: PromptTokens | None = None
     prefix_hit_tokens: PrefixHitTokens = 0
     arrival: Literal["burst", "poisson"] = "burst"
     rate: PositiveFloat | None = None  # requests per second, only with arrival = "poisson"
+    trace: Str | None = None  # a Mooncake .jsonl or a .csv trace, relative to the file
     verify: Bool = True  # False: timing only, no byte verification
     max_inflight: Annotated[int, Strict(), Field(ge=1)] | None = None
 
+    @field_validator("trace")
+    @classmethod
+    def _resolve_trace(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        context = info.context if isinstance(info.context, dict) else {}
+        base = context.get("base_dir")
+        try:
+            path = Path(value).expanduser()
+            if not path.is_absolute():
+                path = Path(base if base is not None else Path.cwd()) / path
+            path = path.resolve()
+            exists = path.is_file()
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise _err(f"unusable path ({exc})") from None
+        if not exists:
+            raise _err(f"no such file: {path}")
+        return str(path)
+
     @model_validator(mode="after")
     def _consistent(self) -> Workload:
+        if self.trace is not None:
+            return self._trace_consistent()
+        for key in ("requests", "prompt_tokens"):
+            if getattr(self, key) is None:
+                raise _err("required key is missing (or give workload.trace)", key=key,
+                           show_input=False)
         if self.arrival == "poisson" and self.rate is None:
             raise _err("required when arrival = 'poisson'", key="rate", show_input=False)
         if self.arrival != "poisson" and self.rate is not None:
@@ -463,15 +507,60 @@ class Workload(_Section):
         fixed = (int, tuple)
         if isinstance(self.prompt_tokens, fixed) and isinstance(self.prefix_hit_tokens, fixed):
             problem = _check_hits(
-                _lengths(self.prompt_tokens, self.requests, None),
-                _lengths(self.prefix_hit_tokens, self.requests, None),
+                _lengths(self.prompt_tokens, self.num_requests, None),
+                _lengths(self.prefix_hit_tokens, self.num_requests, None),
             )
             if problem:
                 raise _err(problem, key="prefix_hit_tokens", show_input=False)
         return self
 
+    def _trace_consistent(self) -> Workload:
+        fixed = [k for k in _TRACE_FIXES if k in self.model_fields_set]
+        if fixed:
+            raise _err(
+                "not allowed beside workload.trace (the trace fixes prompt lengths, prefix "
+                "hits and arrivals; workload.requests may cap how many of its requests run)",
+                key=fixed[0],
+                show_input=False,
+            )
+        from .traces import TraceError
+
+        try:
+            available = len(self._full_trace())
+        except TraceError as exc:
+            raise _err(str(exc), key="trace", show_input=False) from None
+        if self.requests is not None and self.requests > available:
+            raise _err(f"the trace has only {available} request(s)", key="requests")
+        return self
+
+    def _full_trace(self) -> Trace:
+        from .traces import load_trace
+
+        assert self.trace is not None
+        return load_trace(self.trace, max_tokens=MAX_TOKENS, max_requests=MAX_REQUESTS)
+
+    def replayed_trace(self) -> Trace | None:
+        """The trace requests that run (capped by ``requests``), or None without a trace."""
+        if self.trace is None:
+            return None
+        trace = self._full_trace()
+        return trace.head(self.requests) if self.requests is not None else trace
+
+    @property
+    def num_requests(self) -> int:
+        """How many requests run: ``requests``, or the trace's length (capped by ``requests``)."""
+        trace = self.replayed_trace()
+        if trace is not None:
+            return len(trace)
+        assert self.requests is not None  # guaranteed by validation
+        return self.requests
+
     def prompt_lengths(self, n: int, rng: np.random.Generator) -> NDArray[np.int64]:
         """Prompt length of requests ``0..n-1``; lists are cycled, ranges sampled from ``rng``."""
+        trace = self.replayed_trace()
+        if trace is not None:
+            return _from_trace(trace.prompt_tokens, n)
+        assert self.prompt_tokens is not None  # guaranteed by validation
         return _lengths(self.prompt_tokens, n, rng)
 
     def prefix_hit_lengths(
@@ -486,7 +575,9 @@ class Workload(_Section):
         With ``prompt_lengths``, a hit that leaves no token to prefill raises ScenarioError
         naming the request index (nothing is clamped).
         """
-        hits = _lengths(self.prefix_hit_tokens, n, rng)
+        trace = self.replayed_trace()
+        hits = (_from_trace(trace.prefix_hit_tokens, n) if trace is not None
+                else _lengths(self.prefix_hit_tokens, n, rng))
         if prompt_lengths is not None:
             if len(prompt_lengths) != n:
                 raise ValueError(f"prompt_lengths has {len(prompt_lengths)} entries, not {n}")
@@ -501,6 +592,27 @@ class Workload(_Section):
         """Prompt lengths, then prefix hits (checked against them), from one generator."""
         prompts = self.prompt_lengths(n, rng)
         return prompts, self.prefix_hit_lengths(n, rng, prompt_lengths=prompts)
+
+    def arrival_times(self, n: int, rng: np.random.Generator) -> NDArray[np.float64]:
+        """Arrival time in seconds of requests ``0..n-1``, the first at 0: all at once
+        (``burst``), exponential gaps of mean 1/rate drawn from ``rng`` (``poisson``), or the
+        trace's arrivals. Every driver takes its arrivals from here."""
+        trace = self.replayed_trace()
+        if trace is not None:
+            return _from_trace(trace.arrival_seconds, n).astype(np.float64)
+        if n == 0:
+            return np.zeros(0)
+        if self.arrival == "poisson":
+            assert self.rate is not None  # guaranteed by validation
+            gaps = rng.exponential(1.0 / float(self.rate), size=n)
+            return np.cumsum(gaps) - gaps[0]
+        return np.zeros(n)
+
+
+def _from_trace(values: NDArray[Any], n: int) -> NDArray[Any]:
+    if n > len(values):
+        raise ValueError(f"the trace has {len(values)} requests, not {n}")
+    return np.array(values[:n])
 
 
 class Fault(_Section):
@@ -577,28 +689,34 @@ class ScenarioDocument(_Section):
 
     @model_validator(mode="after")
     def _cross_section(self) -> ScenarioDocument:
+        requests = self.workload.num_requests
         for i, fault in enumerate(self.faults):
-            if fault.request is not None and fault.request >= self.workload.requests:
+            if fault.request is not None and fault.request >= requests:
                 raise _err(
-                    f"request {fault.request} does not exist "
-                    f"(workload.requests = {self.workload.requests})",
+                    f"request {fault.request} does not exist ({requests} request(s) in the "
+                    f"workload)",
                     key=f"faults[{i}].request",
                     show_input=False,
                 )
+        trace = self.workload.replayed_trace()
         hits = self.workload.prefix_hit_tokens
-        hits_possible = (hits != 0) if isinstance(hits, int) else (
-            any(hits) if isinstance(hits, tuple) else hits.max > 0)
+        if trace is not None:
+            hits_possible = bool(trace.prefix_hit_tokens.any())
+        else:
+            hits_possible = (hits != 0) if isinstance(hits, int) else (
+                any(hits) if isinstance(hits, tuple) else hits.max > 0)
         if hits_possible and not self.decode.prefix_caching:
+            what = "the trace's prefix hits" if trace is not None else "prefix hits"
             raise _err(
-                "prefix hits need [decode] prefix_caching = true (decode's prefix cache is "
+                f"{what} need [decode] prefix_caching = true (decode's prefix cache is "
                 "where the hit comes from)",
-                key="workload.prefix_hit_tokens",
+                key="workload.trace" if trace is not None else "workload.prefix_hit_tokens",
                 show_input=False,
             )
         failed = self.expect.failed_requests
-        if failed is not None and failed > self.workload.requests:
+        if failed is not None and failed > requests:
             raise _err(
-                f"{failed} failed requests out of workload.requests = {self.workload.requests}",
+                f"{failed} failed requests out of {requests} request(s) in the workload",
                 key="expect.failed_requests",
                 show_input=False,
             )
@@ -635,13 +753,21 @@ class Scenario(ScenarioDocument):
         """Prompt lengths and prefix hits of all requests (default generator: the seed)."""
         generator = rng if rng is not None else np.random.default_rng(self.scenario.seed)
         try:
-            return self.workload.sample(self.workload.requests, generator)
+            return self.workload.sample(self.workload.num_requests, generator)
         except ScenarioError as exc:
             raise exc.within(self.where) from None
 
+    def arrival_times(self, n: int, rng: np.random.Generator) -> NDArray[np.float64]:
+        """Arrival times (s) of the ``n`` requests :meth:`request_lengths` gave; ``rng`` is the
+        driver's generator, drawn after the lengths (Workload.arrival_times)."""
+        return self.workload.arrival_times(n, rng)
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict (tuples become lists); ``Scenario.model_validate`` reads it back."""
-        return self.model_dump(mode="json")
+        """A JSON-safe dict (tuples become lists); ``Scenario.model_validate`` reads it back.
+
+        Only the keys the file set (paths resolved), so that reading it back applies the same
+        rules (a key refused beside another stays refused, a default stays a default)."""
+        return self.model_dump(mode="json", exclude_unset=True)
 
 
 # --- validation errors -> one line -------------------------------------------------------------

@@ -36,7 +36,7 @@ def hit_rounding_warnings(scenario: Scenario, records: Sequence[Any],
                and r.effective_prefix_hit_tokens < r.prefix_hit_tokens]
     if not rounded:
         return []
-    key = "workload.prefix_hit_tokens"
+    key = "workload.trace" if scenario.workload.trace is not None else "workload.prefix_hit_tokens"
     examples = ", ".join(f"request {r.index} asked {r.prefix_hit_tokens:,} and reused "
                          f"{r.effective_prefix_hit_tokens:,}" for r in rounded[:_EXAMPLES])
     more = f" (and {len(rounded) - _EXAMPLES} more)" if len(rounded) > _EXAMPLES else ""

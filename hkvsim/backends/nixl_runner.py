@@ -772,11 +772,7 @@ class NixlCluster:
     # ---- workload --------------------------------------------------------------------------
     async def _run_workload(self) -> RunResult:
         wl = self.scenario.workload
-        if wl.arrival == "poisson":
-            gaps = self.rng.exponential(1.0 / float(wl.rate), size=len(self.prompts))
-            arrivals = np.cumsum(gaps) - gaps[0]
-        else:
-            arrivals = np.zeros(len(self.prompts))
+        arrivals = self.scenario.arrival_times(len(self.prompts), self.rng)
         slots = asyncio.Semaphore(wl.max_inflight or len(self.prompts))
         for f in self._kills:
             if f.request is None and f.at_seconds is not None:
