@@ -98,11 +98,13 @@ def _print_plan(console: Any, plan: dict[str, Any]) -> None:
     console.print("handshake: " + ("[green]ok[/]" if hs["ok"] else f"[red]refused[/]: {hs['error']}"))
     reqs = plan["requests"]
     if reqs:
-        t = Table("request", "prompt", "hit", "descriptors", "bytes", "transfers",
-                  "predicted transfer", title="planned requests")
+        t = Table("request", "prompt", "hit asked", "hit reused", "descriptors", "bytes",
+                  "transfers", "predicted transfer", title="planned requests")
         for r in reqs[:20]:
             pred = r.get("predicted_transfer_seconds")
+            reused = r["effective_prefix_hit_tokens"]
             t.add_row(str(r["index"]), f"{r['prompt_tokens']:,}", f"{r['prefix_hit_tokens']:,}",
+                      "-" if reused is None else f"{reused:,}",
                       f"{r['descriptors']:,}", f"{r['bytes']:,}", str(r["transfers"]),
                       f"{pred * 1e3:.3f} ms" if pred is not None else r.get("error", "-"))
         if len(reqs) > 20:
@@ -264,6 +266,34 @@ def cmd_quirks(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _version() -> str:
+    """The installed distribution's version (package metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hkvsim")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "(unknown: not installed)"
+
+
+def _common_flags(parser: argparse.ArgumentParser, *, default: Any) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                        help="log connector events")
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="show tracebacks for errors")
+
+
+def _subparser_with(common: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
+    """A parser class whose instances (the subcommands) also take the common flags."""
+
+    class SubcommandParser(argparse.ArgumentParser):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["parents"] = [*kwargs.get("parents", []), common]
+            super().__init__(*args, **kwargs)
+
+    return SubcommandParser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hkvsim",
@@ -271,9 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "engines (NIXL-connector semantics; dense, MLA and hybrid MLA+SSM models).",
         epilog="Exit status: 0 = every scenario met its [expect], 1 = one did not, "
                "2 = bad input.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log connector events")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    _common_flags(parser, default=False)
+    # the same flags after the command (`hkvsim run FILE --debug`); SUPPRESS keeps a flag given
+    # before the command from being reset by the subcommand's default
+    common = argparse.ArgumentParser(add_help=False)
+    _common_flags(common, default=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_subparser_with(common))
 
     p = sub.add_parser("plan", help="resolve geometry, check the handshake and plan every "
                                     "request's descriptors without moving data")
@@ -319,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure real NIXL transfers on this machine, fit the "
                                          "fabric profile and report simulated vs measured")
     p.add_argument("--profile-out", default=None, metavar="FILE",
-                   help="profile to write (default: hardware/profiles/cpu-ucx-loopback.toml)")
+                   help="profile to write (default: the shipped "
+                        "hkvsim/fabric/profiles/cpu-ucx-loopback.toml)")
     p.add_argument("--report-dir", default="reports/calibration", metavar="DIR",
                    help="where the sweep table and points go (default: reports/calibration)")
     p.add_argument("--budget", type=float, default=150.0, metavar="SECONDS",

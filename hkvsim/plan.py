@@ -1,5 +1,9 @@
 """``hkvsim plan``: the resolved deployment, its handshake verdict and the per-request transfer
-plan, without moving a byte (the connector runs on the simulated fabric in timing-only mode)."""
+plan, without moving a byte (the connector runs on the simulated fabric in timing-only mode).
+
+Each request shows its prefix hit as requested (``prefix_hit_tokens``) and as reused
+(``effective_prefix_hit_tokens``: whole logical blocks of decode); ``warnings`` says when the two
+differ."""
 
 from __future__ import annotations
 
@@ -29,7 +33,9 @@ def plan_scenario(scenario: Scenario) -> dict[str, Any]:
     for r in result.records:
         entry: dict[str, Any] = {
             "index": r.index, "prompt_tokens": r.prompt_tokens,
-            "prefix_hit_tokens": r.prefix_hit_tokens, "descriptors": r.descriptors,
+            "prefix_hit_tokens": r.prefix_hit_tokens,
+            "effective_prefix_hit_tokens": r.effective_prefix_hit_tokens,
+            "descriptors": r.descriptors,
             "bytes": r.nbytes, "transfers": r.transfers, "status": r.status,
         }
         if "transfer_done" in r.times:
@@ -50,4 +56,5 @@ def plan_scenario(scenario: Scenario) -> dict[str, Any]:
         "handshake": {"ok": not result.handshake_errors,
                       "error": result.handshake_errors[0] if result.handshake_errors else None},
         "requests": requests,
+        "warnings": list(result.warnings),
     }

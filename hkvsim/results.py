@@ -106,6 +106,7 @@ def result_json(result: RunResult, *, requests: bool = False) -> dict[str, Any]:
         "outcome": result.outcome,
         "expectation_met": not problems,
         "expectation_problems": problems,
+        "warnings": list(result.warnings),
         "requests": {
             "total": len(recs),
             "completed": result.completed,

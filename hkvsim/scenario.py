@@ -35,7 +35,7 @@ import re
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 import numpy as np
 from numpy.typing import NDArray
@@ -59,6 +59,9 @@ from .geometry.layout import KV_CACHE_LAYOUTS, REGISTRATION_ORDERS
 from .geometry.presets import preset, preset_names
 from .geometry.specs import GeometryError, ModelSpec
 
+if TYPE_CHECKING:
+    from .traces import Trace
+
 __all__ = [
     "ScenarioError",
     "Scenario",
@@ -76,6 +79,7 @@ __all__ = [
     "Expect",
     "FAULT_KINDS",
     "MAX_TOKENS",
+    "MAX_REQUESTS",
     "MAX_SWEEP_VARIANTS",
     "load_scenarios",
     "parse_scenarios",
@@ -84,6 +88,7 @@ __all__ = [
 
 MAX_TOKENS = 1 << 24  # per request; far above any context length, keeps token math in int64
 MAX_SWEEP_VARIANTS = 10_000
+MAX_BLOCK_SIZE = 4096  # tokens, a power of two
 FAULT_KINDS = (
     "drop-notification",
     "delay-notification",
@@ -347,19 +352,23 @@ class ModelSection(_Section):
         return str(path)
 
 
+CacheDtype = Literal["bfloat16", "float16", "fp8", "fp8_ds_mla"]
+
+
 class EngineSection(_Section):
     """One engine role (``[prefill]`` or ``[decode]``)."""
 
     tp: Annotated[int, Strict(), Field(ge=1, le=64)] = 1  # fit to the model is checked later
     instances: Annotated[int, Strict(), Field(ge=1)] = 1
-    block_size: Annotated[int, Strict(), _power_of_two(1, 4096)] | None = None  # None: smallest
+    # None: the backend's smallest kernel block
+    block_size: Annotated[int, Strict(), _power_of_two(1, MAX_BLOCK_SIZE)] | None = None
     num_blocks: Annotated[int, Strict(), Field(gt=0)] | None = None  # None: sized by the runner
     prefix_caching: Bool = False
     kv_cache_layout: KVCacheLayout = "HND"
     attention_backend: Str | None = None  # checked by geometry when the layout is built
     # The KV cache dtype of this engine's attention layers (None: the model's dtype). It enters
     # the compatibility hash; with enforce_handshake_compat = false a mismatch reaches rule V6.
-    cache_dtype: Literal["bfloat16", "float16", "fp8", "fp8_ds_mla"] | None = None
+    cache_dtype: CacheDtype | None = None
     # This engine runs another checkpoint (a preset name) than [model]: a misdeployment that the
     # compatibility hash (or, with enforce_handshake_compat = false, rules V6/V7) must refuse.
     preset: PresetName | None = None
@@ -387,24 +396,106 @@ class ConnectorSection(_Section):
         return quirks
 
 
+def _scalar(value: Any) -> Any:
+    """A TOML scalar kept as written (16 stays an int); the profile decides what a key takes."""
+    if not isinstance(value, (bool, int, float, str)):
+        raise _err("expected a number or a string")
+    return value
+
+
+OverrideValue = Annotated[Any, AfterValidator(_scalar)]
+
+
 class FabricSection(_Section):
-    """A fabric profile name plus numeric overrides (names are checked by the fabric module)."""
+    """A fabric profile (a shipped name or a ``.toml`` path) plus overrides of its keys.
+
+    A path is resolved against the scenario file's directory (the validation context's
+    ``base_dir``; the working directory without one) and stored as an absolute path. The profile
+    is loaded with the overrides here, so an unknown profile, an unknown override key or a value
+    of the wrong type is an error of this file (the fabric module decides what is allowed:
+    integers for integer keys, integers or floats for number keys, strings for string keys).
+    """
 
     profile: Str = "h200-nvlink"
-    overrides: dict[str, PositiveFloat] = Field(default_factory=dict)
+    overrides: dict[str, OverrideValue] = Field(default_factory=dict)
+
+    @field_validator("profile")
+    @classmethod
+    def _resolve(cls, value: str, info: ValidationInfo) -> str:
+        from .fabric.profile import ProfileError, is_profile_path, resolve_profile
+
+        context = info.context if isinstance(info.context, dict) else {}
+        try:
+            path = resolve_profile(value, base_dir=context.get("base_dir"))
+        except ProfileError as exc:
+            raise _err(exc.problem, show_input=False) from None
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise _err(f"unusable path ({exc})") from None
+        return str(path) if is_profile_path(value) else value
+
+    @model_validator(mode="after")
+    def _loads(self) -> FabricSection:
+        from .fabric.profile import ProfileError, load_profile
+
+        try:
+            load_profile(self.profile, overrides=self.overrides)
+        except ProfileError as exc:
+            key = "profile" if exc.override_key is None else f"overrides.{exc.override_key}"
+            raise _err(exc.problem, key=key, show_input=False) from None
+        return self
+
+
+_TRACE_FIXES = ("prompt_tokens", "prefix_hit_tokens", "arrival", "rate")
+MAX_REQUESTS = 1_000_000
 
 
 class Workload(_Section):
-    requests: Annotated[int, Strict(), Field(ge=1, le=1_000_000)]
-    prompt_tokens: PromptTokens
+    """The requests: sampled (``requests``, ``prompt_tokens``, ``prefix_hit_tokens``, ``arrival``,
+    ``rate``) or replayed from a trace file (``trace``, see :mod:`hkvsim.traces`).
+
+    A trace fixes the prompt lengths, prefix hits and arrivals, so those four keys are refused
+    beside it; ``requests`` then caps the replay at the trace's first ``requests`` lines (at most
+    as many as it has). ``trace`` is resolved against the scenario file's directory (the
+    validation context's ``base_dir``) and stored as an absolute path; the file is read and
+    validated here.
+    """
+
+    requests: Annotated[int, Strict(), Field(ge=1, le=MAX_REQUESTS)] | None = None
+    prompt_tokens: PromptTokens | None = None
     prefix_hit_tokens: PrefixHitTokens = 0
     arrival: Literal["burst", "poisson"] = "burst"
     rate: PositiveFloat | None = None  # requests per second, only with arrival = "poisson"
+    trace: Str | None = None  # a Mooncake .jsonl or a .csv trace, relative to the file
     verify: Bool = True  # False: timing only, no byte verification
     max_inflight: Annotated[int, Strict(), Field(ge=1)] | None = None
 
+    @field_validator("trace")
+    @classmethod
+    def _resolve_trace(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        context = info.context if isinstance(info.context, dict) else {}
+        base = context.get("base_dir")
+        try:
+            path = Path(value).expanduser()
+            if not path.is_absolute():
+                path = Path(base if base is not None else Path.cwd()) / path
+            path = path.resolve()
+            exists = path.is_file()
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise _err(f"unusable path ({exc})") from None
+        if not exists:
+            raise _err(f"no such file: {path}")
+        return str(path)
+
     @model_validator(mode="after")
     def _consistent(self) -> Workload:
+        if self.trace is not None:
+            return self._trace_consistent()
+        for key in ("requests", "prompt_tokens"):
+            if getattr(self, key) is None:
+                raise _err("required key is missing (or give workload.trace)", key=key,
+                           show_input=False)
         if self.arrival == "poisson" and self.rate is None:
             raise _err("required when arrival = 'poisson'", key="rate", show_input=False)
         if self.arrival != "poisson" and self.rate is not None:
@@ -416,15 +507,60 @@ class Workload(_Section):
         fixed = (int, tuple)
         if isinstance(self.prompt_tokens, fixed) and isinstance(self.prefix_hit_tokens, fixed):
             problem = _check_hits(
-                _lengths(self.prompt_tokens, self.requests, None),
-                _lengths(self.prefix_hit_tokens, self.requests, None),
+                _lengths(self.prompt_tokens, self.num_requests, None),
+                _lengths(self.prefix_hit_tokens, self.num_requests, None),
             )
             if problem:
                 raise _err(problem, key="prefix_hit_tokens", show_input=False)
         return self
 
+    def _trace_consistent(self) -> Workload:
+        fixed = [k for k in _TRACE_FIXES if k in self.model_fields_set]
+        if fixed:
+            raise _err(
+                "not allowed beside workload.trace (the trace fixes prompt lengths, prefix "
+                "hits and arrivals; workload.requests may cap how many of its requests run)",
+                key=fixed[0],
+                show_input=False,
+            )
+        from .traces import TraceError
+
+        try:
+            available = len(self._full_trace())
+        except TraceError as exc:
+            raise _err(str(exc), key="trace", show_input=False) from None
+        if self.requests is not None and self.requests > available:
+            raise _err(f"the trace has only {available} request(s)", key="requests")
+        return self
+
+    def _full_trace(self) -> Trace:
+        from .traces import load_trace
+
+        assert self.trace is not None
+        return load_trace(self.trace, max_tokens=MAX_TOKENS, max_requests=MAX_REQUESTS)
+
+    def replayed_trace(self) -> Trace | None:
+        """The trace requests that run (capped by ``requests``), or None without a trace."""
+        if self.trace is None:
+            return None
+        trace = self._full_trace()
+        return trace.head(self.requests) if self.requests is not None else trace
+
+    @property
+    def num_requests(self) -> int:
+        """How many requests run: ``requests``, or the trace's length (capped by ``requests``)."""
+        trace = self.replayed_trace()
+        if trace is not None:
+            return len(trace)
+        assert self.requests is not None  # guaranteed by validation
+        return self.requests
+
     def prompt_lengths(self, n: int, rng: np.random.Generator) -> NDArray[np.int64]:
         """Prompt length of requests ``0..n-1``; lists are cycled, ranges sampled from ``rng``."""
+        trace = self.replayed_trace()
+        if trace is not None:
+            return _from_trace(trace.prompt_tokens, n)
+        assert self.prompt_tokens is not None  # guaranteed by validation
         return _lengths(self.prompt_tokens, n, rng)
 
     def prefix_hit_lengths(
@@ -439,7 +575,9 @@ class Workload(_Section):
         With ``prompt_lengths``, a hit that leaves no token to prefill raises ScenarioError
         naming the request index (nothing is clamped).
         """
-        hits = _lengths(self.prefix_hit_tokens, n, rng)
+        trace = self.replayed_trace()
+        hits = (_from_trace(trace.prefix_hit_tokens, n) if trace is not None
+                else _lengths(self.prefix_hit_tokens, n, rng))
         if prompt_lengths is not None:
             if len(prompt_lengths) != n:
                 raise ValueError(f"prompt_lengths has {len(prompt_lengths)} entries, not {n}")
@@ -454,6 +592,27 @@ class Workload(_Section):
         """Prompt lengths, then prefix hits (checked against them), from one generator."""
         prompts = self.prompt_lengths(n, rng)
         return prompts, self.prefix_hit_lengths(n, rng, prompt_lengths=prompts)
+
+    def arrival_times(self, n: int, rng: np.random.Generator) -> NDArray[np.float64]:
+        """Arrival time in seconds of requests ``0..n-1``, the first at 0: all at once
+        (``burst``), exponential gaps of mean 1/rate drawn from ``rng`` (``poisson``), or the
+        trace's arrivals. Every driver takes its arrivals from here."""
+        trace = self.replayed_trace()
+        if trace is not None:
+            return _from_trace(trace.arrival_seconds, n).astype(np.float64)
+        if n == 0:
+            return np.zeros(0)
+        if self.arrival == "poisson":
+            assert self.rate is not None  # guaranteed by validation
+            gaps = rng.exponential(1.0 / float(self.rate), size=n)
+            return np.cumsum(gaps) - gaps[0]
+        return np.zeros(n)
+
+
+def _from_trace(values: NDArray[Any], n: int) -> NDArray[Any]:
+    if n > len(values):
+        raise ValueError(f"the trace has {len(values)} requests, not {n}")
+    return np.array(values[:n])
 
 
 class Fault(_Section):
@@ -530,28 +689,34 @@ class ScenarioDocument(_Section):
 
     @model_validator(mode="after")
     def _cross_section(self) -> ScenarioDocument:
+        requests = self.workload.num_requests
         for i, fault in enumerate(self.faults):
-            if fault.request is not None and fault.request >= self.workload.requests:
+            if fault.request is not None and fault.request >= requests:
                 raise _err(
-                    f"request {fault.request} does not exist "
-                    f"(workload.requests = {self.workload.requests})",
+                    f"request {fault.request} does not exist ({requests} request(s) in the "
+                    f"workload)",
                     key=f"faults[{i}].request",
                     show_input=False,
                 )
+        trace = self.workload.replayed_trace()
         hits = self.workload.prefix_hit_tokens
-        hits_possible = (hits != 0) if isinstance(hits, int) else (
-            any(hits) if isinstance(hits, tuple) else hits.max > 0)
+        if trace is not None:
+            hits_possible = bool(trace.prefix_hit_tokens.any())
+        else:
+            hits_possible = (hits != 0) if isinstance(hits, int) else (
+                any(hits) if isinstance(hits, tuple) else hits.max > 0)
         if hits_possible and not self.decode.prefix_caching:
+            what = "the trace's prefix hits" if trace is not None else "prefix hits"
             raise _err(
-                "prefix hits need [decode] prefix_caching = true (decode's prefix cache is "
+                f"{what} need [decode] prefix_caching = true (decode's prefix cache is "
                 "where the hit comes from)",
-                key="workload.prefix_hit_tokens",
+                key="workload.trace" if trace is not None else "workload.prefix_hit_tokens",
                 show_input=False,
             )
         failed = self.expect.failed_requests
-        if failed is not None and failed > self.workload.requests:
+        if failed is not None and failed > requests:
             raise _err(
-                f"{failed} failed requests out of workload.requests = {self.workload.requests}",
+                f"{failed} failed requests out of {requests} request(s) in the workload",
                 key="expect.failed_requests",
                 show_input=False,
             )
@@ -588,13 +753,21 @@ class Scenario(ScenarioDocument):
         """Prompt lengths and prefix hits of all requests (default generator: the seed)."""
         generator = rng if rng is not None else np.random.default_rng(self.scenario.seed)
         try:
-            return self.workload.sample(self.workload.requests, generator)
+            return self.workload.sample(self.workload.num_requests, generator)
         except ScenarioError as exc:
             raise exc.within(self.where) from None
 
+    def arrival_times(self, n: int, rng: np.random.Generator) -> NDArray[np.float64]:
+        """Arrival times (s) of the ``n`` requests :meth:`request_lengths` gave; ``rng`` is the
+        driver's generator, drawn after the lengths (Workload.arrival_times)."""
+        return self.workload.arrival_times(n, rng)
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict (tuples become lists); ``Scenario.model_validate`` reads it back."""
-        return self.model_dump(mode="json")
+        """A JSON-safe dict (tuples become lists); ``Scenario.model_validate`` reads it back.
+
+        Only the keys the file set (paths resolved), so that reading it back applies the same
+        rules (a key refused beside another stays refused, a default stays a default)."""
+        return self.model_dump(mode="json", exclude_unset=True)
 
 
 # --- validation errors -> one line -------------------------------------------------------------
@@ -844,7 +1017,87 @@ def _build(
     if point:
         name = f"{validated.scenario.name} [{_label(point)}]"
         sections["scenario"] = validated.scenario.model_copy(update={"name": name})
-    return Scenario(**sections, sweep_point=dict(point), source=source)
+    scenario = Scenario(**sections, sweep_point=dict(point), source=source)
+    _check_engines(scenario)
+    return scenario
+
+
+_ALLOWED_HINT = re.compile(r"\s*\(allowed[^)]*\)")  # geometry's own hint, replaced by a list
+
+
+def _check_engines(scenario: Scenario) -> None:
+    """Each engine's geometry fits its model, or a ScenarioError naming the engine's key.
+
+    The checks the runner would hit when it builds the engines, made at load time so that each
+    names the file, the variant and the key at fault (``prefill.tp``, ``decode.block_size``...)
+    with what is allowed.
+    """
+    from .pd.deployment import engine_layout, engine_model  # the runner's own construction
+
+    model = scenario.model_spec()
+    for role in ("prefill", "decode"):
+        section: EngineSection = getattr(scenario, role)
+
+        def fail(key: str, problem: str) -> ScenarioError:
+            return ScenarioError(problem, source=scenario.where, key=f"{role}.{key}")
+
+        base = preset(section.preset) if section.preset is not None else model
+        try:
+            engine_model(base, section.model_copy(update={"cache_dtype": None}))
+        except GeometryError as exc:
+            raise fail("attention_backend", str(exc)) from None
+        try:
+            spec = engine_model(base, section)
+        except GeometryError as exc:
+            dtypes = [d for d in get_args(CacheDtype) if _engine_model_ok(base, section, d)]
+            raise fail("cache_dtype", f"{exc}; allowed: {', '.join(dtypes)}") from None
+        try:
+            spec.check_tp(section.tp)
+        except GeometryError as exc:
+            fits = [str(t) for t in range(1, 65) if _fits(spec, t)]
+            raise fail("tp", f"{_ALLOWED_HINT.sub('', str(exc))} ({spec.name}); allowed: "
+                             f"{', '.join(fits) or 'none up to 64'}") from None
+        try:
+            engine_layout(model, section, num_blocks=1,
+                          registration_order=scenario.connector.registration_order,
+                          quirks=frozenset(scenario.connector.quirks))
+        except GeometryError as exc:
+            if section.block_size is None:
+                raise fail("tp", str(exc)) from None
+            sizes = [str(b) for b in _BLOCK_SIZES if _unifies(spec, section.tp, b)]
+            raise fail("block_size", f"{_ALLOWED_HINT.sub('', str(exc))}; allowed: "
+                                     f"{', '.join(sizes) or 'none'}") from None
+
+
+def _engine_model_ok(model: ModelSpec, section: EngineSection, cache_dtype: str) -> bool:
+    from .pd.deployment import engine_model
+
+    try:
+        engine_model(model, section.model_copy(update={"cache_dtype": cache_dtype}))
+    except GeometryError:
+        return False
+    return True
+
+
+_BLOCK_SIZES = tuple(1 << k for k in range(MAX_BLOCK_SIZE.bit_length()))  # schema's range
+
+
+def _unifies(model: ModelSpec, tp: int, block_size: int) -> bool:
+    from .geometry.layout import unify_pages
+
+    try:
+        unify_pages(model, tp, block_size)
+    except GeometryError:
+        return False
+    return True
+
+
+def _fits(model: ModelSpec, tp: int) -> bool:
+    try:
+        model.check_tp(tp)
+    except GeometryError:
+        return False
+    return True
 
 
 def parse_scenarios(

@@ -46,6 +46,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from ..fabric.profile import PROFILE_DIR
+
 __all__ = ["SweepPoint", "run_sweep", "fit", "predict", "write_profile", "write_report",
            "run_calibration_cli", "BYTE_CAP", "ACCEPT_MEDIAN_ERROR"]
 
@@ -57,7 +59,7 @@ BYTE_CAP = 64 << 20  # bytes per transfer
 ROTATION_BYTES = 1 << 30  # per side: successive repetitions rotate through this much memory
 ACCEPT_MEDIAN_ERROR = 0.15
 _REPO = Path(__file__).resolve().parents[2]
-DEFAULT_PROFILE = _REPO / "hardware" / "profiles" / "cpu-ucx-loopback.toml"
+DEFAULT_PROFILE = PROFILE_DIR / "cpu-ucx-loopback.toml"
 
 
 @dataclass(frozen=True, kw_only=True)

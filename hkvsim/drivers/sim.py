@@ -245,7 +245,7 @@ class SimDriver:
         return RunResult(scenario=self.scenario, records=coord.records,
                          misplaced_write_reports=coord.misplaced_write_reports,
                          handshake_errors=coord.handshake_errors, leaks=leaks, counters=counters,
-                         sim_seconds=coord.makespan(), layouts=layouts,
+                         sim_seconds=coord.makespan(), layouts=layouts, warnings=coord.warnings(),
                          link_segments=self.fabric.link_segments())
 
 

@@ -1,19 +1,25 @@
 """Fabric profiles: the published (or measured) numbers a simulated fabric runs on.
 
-A profile is a TOML file in ``<repo>/hardware/profiles/<name>.toml`` (or any file a user points
-at). The file uses human units, the dataclass uses SI units:
+A profile is a TOML file: a shipped one, ``hkvsim/fabric/profiles/<name>.toml`` (package data,
+so a name works from an installed wheel in any directory), or any file a user points at by path
+(a value ending in ``.toml`` or containing a ``/``; relative paths resolve against ``base_dir``,
+e.g. the scenario file's directory, else the working directory). The file uses human units, the
+dataclass uses SI units:
 
 * ``*_gbps`` keys are bandwidths in GB/s (1e9 bytes/s), stored in bytes/s;
 * ``*_us`` keys are durations in microseconds, stored in seconds.
 
 Every key is required, every number must be finite and > 0, and nothing is guessed or clamped:
 any problem raises :class:`ProfileError` naming the file, the key, the value and what is allowed.
-``overrides`` (e.g. a scenario's ``[fabric]`` section) use the same TOML key names.
+``overrides`` (e.g. a scenario's ``[fabric]`` section) use the same TOML key names and types: an
+integer key (``gpus_per_node``) takes an integer, a number key an integer or a float, a string key
+a string.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -27,16 +33,31 @@ __all__ = [
     "PROFILE_DIR",
     "TOML_KEYS",
     "load_profile",
+    "is_profile_path",
     "profile_names",
+    "resolve_profile",
 ]
 
-PROFILE_DIR: Final[Path] = Path(__file__).resolve().parents[2] / "hardware" / "profiles"
+#: The shipped profiles (package data: present in an installed wheel as in a source checkout).
+PROFILE_DIR: Final[Path] = Path(__file__).resolve().parent / "profiles"
 PLACEMENTS: Final[tuple[str, ...]] = ("pack", "split")
 MEMORY_KINDS: Final[tuple[str, ...]] = ("VRAM", "DRAM")
 
 
 class ProfileError(ValueError):
-    """A fabric profile that is missing, malformed or out of range."""
+    """A fabric profile that is missing, malformed or out of range.
+
+    ``str(error)`` is the whole one-line message. For callers that attribute the error to their
+    own keys (a scenario's ``fabric.profile`` / ``fabric.overrides.<key>``): ``problem`` is the
+    message without the file prefix, and ``override_key`` names the override at fault (None when
+    the name, the path or the file's own content is at fault).
+    """
+
+    def __init__(self, message: str, *, problem: str | None = None,
+                 override_key: str | None = None) -> None:
+        super().__init__(message)
+        self.problem = message if problem is None else problem
+        self.override_key = override_key
 
 
 @dataclass(frozen=True)
@@ -104,7 +125,12 @@ def _check(spec: _Field, value: Any, where: str, label: str) -> None:
     """Raise ProfileError unless ``value`` is acceptable for ``spec`` (in its TOML units)."""
 
     def fail() -> None:
-        raise ProfileError(f"{where}: {label} {spec.key!r} = {value!r}: expected {_allowed(spec)}")
+        override = spec.key if label.startswith("override") else None
+        raise ProfileError(
+            f"{where}: {label} {spec.key!r} = {value!r}: expected {_allowed(spec)}",
+            problem=f"expected {_allowed(spec)}, got {value!r}" if override else None,
+            override_key=override,
+        )
 
     if spec.kind == "str":
         if not isinstance(value, str) or not value.strip():
@@ -170,23 +196,46 @@ def profile_names(search_dirs: list[Path] | None = None) -> list[str]:
     return sorted(names)
 
 
-def _resolve(name_or_path: str, search_dirs: list[Path]) -> Path:
-    candidate = Path(name_or_path)
-    looks_like_path = (
-        candidate.suffix == ".toml" or len(candidate.parts) > 1 or candidate.is_file()
-    )
-    if looks_like_path:
-        if not candidate.is_file():
-            raise ProfileError(f"fabric profile file {str(candidate)!r} does not exist")
-        return candidate
-    for d in search_dirs:
-        p = Path(d) / f"{name_or_path}.toml"
+def is_profile_path(name_or_path: str) -> bool:
+    """A path ends in ``.toml`` or has a directory part; anything else is a profile name."""
+    return name_or_path.endswith(".toml") or "/" in name_or_path or os.sep in name_or_path
+
+
+def resolve_profile(
+    name_or_path: str | Path,
+    *,
+    base_dir: str | Path | None = None,
+    search_dirs: list[Path] | None = None,
+) -> Path:
+    """The file a profile name or path denotes (absolute), or ProfileError.
+
+    A name is looked up in ``search_dirs`` (default: the shipped profiles); a relative path
+    resolves against ``base_dir`` (default: the working directory).
+    """
+    dirs = [PROFILE_DIR] if search_dirs is None else [Path(d) for d in search_dirs]
+    text = str(name_or_path)
+    if is_profile_path(text):
+        path = Path(text).expanduser()
+        if not path.is_absolute():
+            path = Path(base_dir if base_dir is not None else Path.cwd()) / path
+        path = path.resolve()
+        if not path.is_file():
+            raise ProfileError(
+                f"fabric profile file {str(path)!r} does not exist",
+                problem=f"no such fabric profile file: {path}",
+            )
+        return path
+    for d in dirs:
+        p = d / f"{text}.toml"
         if p.is_file():
-            return p
-    available = ", ".join(profile_names(search_dirs)) or "(none)"
-    where = ", ".join(str(d) for d in search_dirs)
+            return p.resolve()
+    names = profile_names(dirs)
+    where = ", ".join(str(d) for d in dirs)
+    allowed = ", ".join(names) if names else "(no profile found)"
     raise ProfileError(
-        f"unknown fabric profile {name_or_path!r}; available: {available} (searched {where})"
+        f"unknown fabric profile {text!r}; available: {allowed} (searched {where})",
+        problem=f"unknown fabric profile {text!r} (searched {where}); allowed: {allowed}, "
+        "or a path to a profile .toml file",
     )
 
 
@@ -201,8 +250,11 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _unknown(where: str, label: str, key: str, value: Any) -> ProfileError:
+    override = label.startswith("override")
     return ProfileError(
-        f"{where}: unknown {label} {key!r} = {value!r}; allowed keys: {', '.join(TOML_KEYS)}"
+        f"{where}: unknown {label} {key!r} = {value!r}; allowed keys: {', '.join(TOML_KEYS)}",
+        problem=f"unknown override key; allowed: {', '.join(TOML_KEYS)}" if override else None,
+        override_key=key if override else None,
     )
 
 
@@ -211,15 +263,16 @@ def load_profile(
     *,
     overrides: Mapping[str, Any] | None = None,
     search_dirs: list[Path] | None = None,
+    base_dir: str | Path | None = None,
 ) -> FabricProfile:
-    """Load a fabric profile by name (``hardware/profiles/<name>.toml``) or by file path.
+    """Load a fabric profile by name (``hkvsim/fabric/profiles/<name>.toml``) or by file path.
 
     ``overrides`` maps TOML keys (``per_descriptor_us``, ``placement``, ...) to values that
     replace the file's; they are validated like the file. ``search_dirs`` replaces the default
-    profile directory for name lookups.
+    profile directory for name lookups; ``base_dir`` anchors a relative path (see
+    :func:`resolve_profile`).
     """
-    dirs = [PROFILE_DIR] if search_dirs is None else [Path(d) for d in search_dirs]
-    path = _resolve(str(name_or_path), dirs)
+    path = resolve_profile(name_or_path, base_dir=base_dir, search_dirs=search_dirs)
     raw = _read(path)
     where = str(path)
 

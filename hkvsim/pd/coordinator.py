@@ -37,7 +37,8 @@ from ..connector.blocks import expand_logical, to_sub_blocks
 from ..connector.push import PUSH_PREFIX, PushRegistration, WriteRequest, base_request_id
 from ..connector.tp import TPError, handshake_targets
 from ..connector.worker import ReadRequest, RequestOutcome, parse_notification
-from .deployment import Deployment, EngineSpec, arrival_times
+from ..workload import hit_rounding_warnings
+from .deployment import Deployment, EngineSpec
 from .ops import (
     Abort,
     Connect,
@@ -249,7 +250,7 @@ class Coordinator:
         self._started = True
         self.sched.advance(now)
         wl = self.scenario.workload
-        arrivals = arrival_times(self.scenario, self.dep.rng, len(self.dep.prompts))
+        arrivals = self.scenario.arrival_times(len(self.dep.prompts), self.dep.rng)
         self._slots_free = wl.max_inflight or len(self.dep.prompts)
         for i, (n, hit) in enumerate(zip(self.dep.prompts.tolist(), self.dep.hits.tolist())):
             rec = RequestRecord(index=i, request_id=f"req-{i}-{self._suffix()}",
@@ -358,6 +359,11 @@ class Coordinator:
             "quarantined_blocks": sum(sum(len(b) for b in q.blocks.values())
                                       for q in self._quarantine.values()),
         }
+
+    def warnings(self) -> list[str]:
+        """What the run did differently from what the scenario asked (logged once each)."""
+        return hit_rounding_warnings(self.scenario, self.records,
+                                     self.dep.engines["decode"][0].layout)
 
     def makespan(self) -> float:
         """Time of the last request event (timers of a finished run are not part of it)."""
@@ -635,6 +641,7 @@ class Coordinator:
         load_tokens = rec.prompt_tokens - 1
         hit_blocks = min(rec.prefix_hit_tokens, load_tokens) // layout.logical_block_size
         hit_tokens = hit_blocks * layout.logical_block_size
+        rec.effective_prefix_hit_tokens = hit_tokens
         full_hit = hit_tokens >= load_tokens
         failure = None
         if self.verify and hit_blocks:
@@ -727,7 +734,8 @@ class Coordinator:
             self._abort(rec, "mid-transfer")
         timeout = self.scenario.connector.transfer_timeout_seconds
         timer = self.sched.timeout(timeout)
-        fired = yield self.sched.any_of([wait.done, timer, req.interrupt])
+        # a death already known wins over outcomes it caused (they name NIXL's error, not it)
+        fired = yield self.sched.any_of([req.interrupt, wait.done, timer])
         req.interrupt = None
         rec.times["transfer_done"] = self.now
         if fired is not wait.done:
@@ -818,7 +826,7 @@ class Coordinator:
             self._abort(rec, "mid-transfer")
         timeout = self.scenario.connector.transfer_timeout_seconds
         timer = self.sched.timeout(timeout)
-        fired = yield self.sched.any_of([wait.done, timer, req.interrupt])
+        fired = yield self.sched.any_of([req.interrupt, wait.done, timer])
         req.interrupt = None
         self._push_waiters.pop(rec.request_id, None)
         rec.times["transfer_done"] = self.now

@@ -17,7 +17,7 @@ from ..scenario import Scenario
 from .pool import engine_pool_blocks
 
 __all__ = ["EngineSpec", "Deployment", "engine_model", "engine_layout", "connector_settings",
-           "arrival_times", "build_deployment"]
+           "build_deployment"]
 
 
 def engine_model(model: ModelSpec, section: object) -> ModelSpec:
@@ -60,15 +60,6 @@ def connector_settings(scenario: Scenario, role: str) -> ConnectorSettings:
                              prefix_caching=section.prefix_caching, host_buffer=conn.host_buffer,
                              enforce_handshake_compat=conn.enforce_handshake_compat,
                              descriptor_merge=conn.descriptor_merge)
-
-
-def arrival_times(scenario: Scenario, rng: np.random.Generator, n: int) -> np.ndarray:
-    """Arrival time of each request: all at 0 (burst), or Poisson at ``rate``."""
-    wl = scenario.workload
-    if wl.arrival == "poisson":
-        gaps = rng.exponential(1.0 / float(wl.rate), size=n)  # type: ignore[arg-type]
-        return np.cumsum(gaps) - gaps[0]
-    return np.zeros(n)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,8 +35,9 @@ class RequestRecord:
     index: int
     request_id: str
     prompt_tokens: int
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int  # requested
     arrival: float
+    effective_prefix_hit_tokens: int | None = None  # reused: whole decode logical blocks
     prefill_engine: str = ""
     decode_engine: str = ""
     status: str = "pending"  # ok | failed | aborted | pending (hung if pending at the end)
@@ -69,6 +70,7 @@ class RunResult:
     layouts: dict[str, EngineLayout]
     link_segments: list[Any] = field(default_factory=list)  # fabric LinkSegment records
     misplaced_write_reports: list[str] = field(default_factory=list)  # the first few, explained
+    warnings: list[str] = field(default_factory=list)  # e.g. prefix hits rounded down
 
     @property
     def hung(self) -> int:

@@ -91,7 +91,9 @@ def _report_json(title: str, command: str, variants: list[Variant], rows: list[d
             "mismatched_bytes": v.mismatched_bytes, "simulated_seconds": _round(v.sim_seconds),
             "requests": [{
                 "index": r["index"], "prompt_tokens": r["prompt_tokens"],
-                "prefix_hit_tokens": r["hit_tokens"], "descriptors": r["descriptors"],
+                "prefix_hit_tokens": r["hit_tokens"],
+                "effective_prefix_hit_tokens": r["effective_hit_tokens"],
+                "descriptors": r["descriptors"],
                 "descriptors_posted": r["posted"], "bytes": r["nbytes"],
                 "transfers": r["transfers"], "transfer_seconds": _round(r["transfer"]),
                 "breakdown_seconds": {k: _round(x) for k, x in r["breakdown"].items()},

@@ -211,6 +211,7 @@ def request_rows(variants: list[Variant]) -> list[dict[str, Any]]:
                 "mode": v.mode, "merge": v.merge, "prefill_tp": v.prefill_tp,
                 "decode_tp": v.decode_tp, "pair": v.pair, "index": req["index"],
                 "prompt_tokens": req["prompt_tokens"], "hit_tokens": req["prefix_hit_tokens"],
+                "effective_hit_tokens": req.get("effective_prefix_hit_tokens"),
                 "descriptors": req["descriptors"],
                 "posted": sum(x["descriptors"] for x in req["telemetry"]),
                 "nbytes": req["nbytes"], "transfers": req["transfers"], "transfer": tt,

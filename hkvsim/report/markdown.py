@@ -175,7 +175,7 @@ def _merge_section(comparison: list[dict[str, Any]], figure: str | None,
             "checks every byte of every verified variant).", "",
             "Simulated time is the sum over requests of the transfer time (handshake excluded). "
             "Posting is charged per descriptor for `contiguous` and per run for `strided` (on "
-            "the CPU VM strided lists cut prep time but not post time, DOMAIN.md §10), so "
+            "the CPU VM strided lists cut prep time but not post time, docs/semantics.md §10), so "
             "`strided` saves rows, registration and prep, not simulated post time, against "
             "`contiguous`.", "", table(head, rows)]
     if figure:
@@ -271,8 +271,8 @@ def page(*, title: str, command: str, variants: list[Variant], rows: list[dict[s
         parts += ["", "## Attention KV vs recurrent state", "",
                   f"![KV vs state]({figures['kv_state']})", "",
                   "Per decode rank: MLA KV is replicated on every rank while the KDA state is "
-                  "sharded, so the crossover (state bytes = KV bytes) falls as 1/TP (DOMAIN.md "
-                  "§2.3). Below it the state dominates what moves.", "",
+                  "sharded, so the crossover (state bytes = KV bytes) falls as 1/TP "
+                  "(docs/semantics.md §2.3). Below it the state dominates what moves.", "",
                   table(["TP", "KV bytes / token / rank", "state bytes / request / rank",
                          "crossover (tokens)"], body)]
     if figures.get("breakdown"):

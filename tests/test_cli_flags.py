@@ -1,0 +1,69 @@
+"""Global flags: ``--version`` from the package metadata, and ``--debug`` / ``-v`` accepted before
+or after the command."""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from hkvsim.cli import build_parser, main
+
+BAD_TP = """
+[scenario]
+name = "bad tp"
+[model]
+preset = "tiny-kimi-linear"
+[prefill]
+tp = 3
+[workload]
+requests = 1
+prompt_tokens = 100
+"""
+
+
+def test_version_comes_from_the_package_metadata(capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hkvsim {version('hkvsim')}"
+
+
+@pytest.mark.parametrize("argv", [["run", "F", "--debug"], ["--debug", "run", "F"],
+                                  ["plan", "F", "--debug"], ["sweep", "--debug", "F"]])
+def test_debug_before_or_after_the_command(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    assert args.debug is True and args.verbose is False
+
+
+@pytest.mark.parametrize("argv", [["run", "F", "-v"], ["-v", "run", "F"],
+                                  ["report", "F", "--verbose"], ["-v", "presets"]])
+def test_verbose_before_or_after_the_command(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    assert args.verbose is True and args.debug is False
+
+
+def test_flags_default_off() -> None:
+    args = build_parser().parse_args(["run", "F"])
+    assert args.debug is False and args.verbose is False
+
+
+def test_debug_after_the_command_shows_the_traceback(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(BAD_TP)
+    assert main(["run", str(path)]) == 2  # one line, no traceback
+    assert capsys.readouterr().err.startswith("hkvsim: error: ")
+    with pytest.raises(ValueError, match="does not divide"):
+        main(["run", str(path), "--debug"])
+
+
+def test_verbose_after_the_command_logs_info(tmp_path: Path, monkeypatch) -> None:
+    seen: list[int] = []
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: seen.append(kw["level"]))
+    path = tmp_path / "bad.toml"
+    path.write_text(BAD_TP)
+    main(["run", str(path), "-v"])
+    main(["run", str(path)])
+    assert seen == [logging.INFO, logging.WARNING]
