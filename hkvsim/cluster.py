@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +184,8 @@ class RunResult:
     sim_seconds: float
     layouts: dict[str, EngineLayout]
     link_segments: list[Any] = field(default_factory=list)  # fabric LinkSegment records
+    verified: bool = False  # the oracle checked every completed request's bytes
+    backend: str = "sim"  # "sim": sim_seconds is simulated time; any other: wall-clock time
 
     @property
     def hung(self) -> int:
@@ -341,7 +343,10 @@ class Cluster:
         return f"{int(self.rng.integers(1 << 32)):08x}"
 
     # ---- run -------------------------------------------------------------------------------
-    def run(self) -> RunResult:
+    def run(self, progress: Callable[[RequestRecord], None] | None = None) -> RunResult:
+        """Run the workload; ``progress`` (optional) is called with each request's record as
+        its serving ends (a request still pending then is reported hung at the end)."""
+        self._on_request_end = progress
         wl = self.scenario.workload
         if wl.arrival == "poisson":
             gaps = self.rng.exponential(1.0 / float(wl.rate), size=len(self.prompts))
@@ -387,7 +392,7 @@ class Cluster:
         return RunResult(scenario=self.scenario, records=self.records,
                          handshake_errors=self.handshake_errors, leaks=leaks,
                          counters=self.counters, sim_seconds=self._makespan(), layouts=layouts,
-                         link_segments=self.fabric.link_segments())
+                         link_segments=self.fabric.link_segments(), verified=self.verify)
 
     def _makespan(self) -> float:
         """Simulated time of the last request event (a cancelled lease timer still sits in the
@@ -432,6 +437,8 @@ class Cluster:
         with slots.request() as slot:
             yield slot
             yield from self._serve(rec)
+        if self._on_request_end is not None:
+            self._on_request_end(rec)
 
     def _serve(self, rec: RequestRecord) -> Generator:
         env = self.env
@@ -986,6 +993,8 @@ class Cluster:
             self._free(engine, blocks, stamp=stamp)
 
 
-def run_scenario(scenario: Scenario, *, timing_only: bool = False) -> RunResult:
-    """Run one scenario on the simulated fabric (``timing_only``: move no bytes, verify none)."""
-    return Cluster(scenario, timing_only=timing_only).run()
+def run_scenario(scenario: Scenario, *, timing_only: bool = False,
+                 progress: Callable[[RequestRecord], None] | None = None) -> RunResult:
+    """Run one scenario on the simulated fabric (``timing_only``: move no bytes, verify none;
+    ``progress``: called with each request's record as its serving ends)."""
+    return Cluster(scenario, timing_only=timing_only).run(progress)

@@ -35,7 +35,7 @@ Every wait has a deadline. A rank process that dies (exit, signal, closed channe
 unfinished request with ``remote_disconnect`` and the reason ("decode0 rank 1 (pid 123) died:
 killed by signal 9 (SIGKILL)", plus the tail of its log), then the run shuts down the survivors;
 a rank that does not exit in time is terminated, then killed. Times in the result are wall-clock
-seconds since the run started (the JSON key stays ``simulated_seconds``).
+seconds since the run started (``RunResult.backend = "nixl"``; the JSON says ``time.clock = "wall"``).
 
 Faults: ``kill-rank`` (engine and/or rank; a request, or at_seconds) SIGKILLs that rank's process
 right after the request's transfer starts. Other fault kinds are refused before anything starts:
@@ -815,7 +815,7 @@ class NixlCluster:
         return RunResult(scenario=self.scenario, records=self.records,
                          handshake_errors=self.handshake_errors, leaks=leaks,
                          counters=self.counters, sim_seconds=float(max(ends, default=0.0)),
-                         layouts=layouts, link_segments=[])
+                         layouts=layouts, link_segments=[], verified=self.verify, backend="nixl")
 
     def _run_budget(self, last_arrival: float) -> float:
         if self.options.run_timeout is not None:
