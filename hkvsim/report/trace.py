@@ -6,7 +6,7 @@ Layout: one process per scenario variant (its simulated clock starts at 0), and 
 * thread "requests": one async slice per request (arrival -> done) with its handshake and its
   transfer window nested inside;
 * one thread per initiating GPU endpoint ("n1g3 posting"): the posting intervals, which never
-  overlap because a rank posts serially (DOMAIN.md §10 cost model);
+  overlap because a rank posts serially (the cost model of hkvsim.fabric);
 * one async slice per transfer (submitted -> data complete; its args give the post wait, post
   and wire times);
 * counter tracks per link: the aggregate rate in GB/s (from ``RunResult.link_segments``).
