@@ -446,8 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="move no bytes and skip verification (as [workload] verify = false; "
                             "an [expect] byte_exact = true is then not met)")
         p.add_argument("--jobs", type=int, default=1, metavar="N",
-                       help="run the variants in N child processes at a time (simulator only; "
-                            "same results as a serial run)")
+                       help="split the variants over N child hkvsim processes on this "
+                            "machine (simulator only; the same results as a serial run)")
         p.add_argument("--shard", default=None, metavar="I/N",
                        help="run only the variants whose index is I modulo N (0 <= I < N), to "
                             "spread a sweep over N machines; `hkvsim report` merges the saved "

@@ -228,7 +228,7 @@ def _merge_section(comparison: list[dict[str, Any]], figure: str | None,
         for mode in ("contiguous", "strided"):
             if mode in m and "measured_seconds" in m[mode] and "measured_seconds" in off:
                 meas.append(f"{mode}: {_delta(m[mode]['measured_seconds'], off['measured_seconds'])}")
-        row.append("; ".join(meas) if meas else "pending (NIXL backend, #5)")
+        row.append("; ".join(meas) if meas else "not measured")
         rows.append(row)
     head = ["family", "variants", "requests with a transfer",
             "descriptors, per-block plan (reference)",
@@ -355,8 +355,9 @@ def _input_section(section: dict[str, Any], variants: list[Variant], level: str)
     primary, caption = section["primary"], section["caption"]
     fam_variants = [v for v in variants if v.family == section["family"]]
     if section["others"]:
-        parts += ["", f"The figures show {caption}; this input also ran "
-                  f"{', '.join(section['others'])} (in the tables of report.json)."]
+        parts += ["", f"The figures and tables below show {caption}; this input also ran "
+                  f"{', '.join(section['others'])}: their numbers are in report.json (and in "
+                  f"requests.csv with `--csv`)."]
     if figures.get("prompt"):
         parts += ["", f"{level} Transfer time and descriptors vs prompt length", "",
                   f"Showing {caption}; one line per (prefill TP, decode TP)"

@@ -4,6 +4,7 @@ its name, or None when the data has nothing to show (e.g. a single prompt length
 
 from __future__ import annotations
 
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ def figure_name(stem: str, suffix: str = "") -> str:
     return f"{stem}-{safe}.png"
 
 
-def _coincident(series: dict[Any, list[float]], *, relative: float = 0.02,
+def _coincident(series: dict[Any, list[float]], *, relative: float = 0.05,
                 absolute: float = 0.0) -> list[tuple[list[Any], list[float]]]:
     """Series that would be drawn on top of each other (every point within ``relative`` of
     the first series' point, or within ``absolute``) drawn once: [(keys, values)] in first-seen
@@ -135,23 +136,24 @@ def prompt_sweep(rows: list[dict[str, Any]], out: Path, caption: str,
             by_x: dict[tuple, dict[tuple[int, int], list[float]]] = defaultdict(dict)
             for pair, ys in per_pair.items():
                 by_x[tuple(xs[pair])][pair] = ys
-            dashed = False
+            dashed = merged = False
             for x, group in by_x.items():
                 for keys, ys in _coincident(group):
                     first = keys[0]
                     style = "-" if first[0] <= first[1] else "--"
                     dashed |= style == "--"
+                    merged |= len(keys) > 1
                     ax.plot(list(x), ys, color=cmap(pairs.index(first)), marker="o", ms=3,
-                            lw=1.2, ls=style,
-                            label=", ".join(f"P{p}->D{d}" for p, d in keys))
+                            lw=1.2, ls=style, label=textwrap.fill(
+                                ", ".join(f"P{p}->D{d}" for p, d in keys), 44))
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("prompt tokens")
             ax.set_ylabel(what)
             ax.set_title(f"{mode}: {what}")
             ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.0, 0.5),
-                      title="TP pair" + (" (dashed: P TP > D TP)" if dashed else ""),
-                      title_fontsize=7)
+                      title="TP pair" + (" (dashed: P TP > D TP)" if dashed else "")
+                      + ("\npairs within 5 %: one line" if merged else ""), title_fontsize=7)
     fig.suptitle(f"Transfer time and descriptors vs prompt length ({caption})")
     fig.tight_layout()
     return _save(fig, out, name)
@@ -333,15 +335,19 @@ def time_breakdown(rows: list[dict[str, Any]], out: Path, caption: str,
     # a phase too short to show as a bar anywhere says so in the legend, with its size
     from matplotlib.patches import Patch
 
-    widest = max(max(ax.get_xlim()[1] for ax in row) for row in axes)
     largest = {phase: max((1e3 * (table[m][p][w] or {}).get(phase, 0.0) for m in modes
                            for p in table[m] for w in (0, 1)), default=0.0) for phase in PHASES}
+    # visible: at least 0.5 % of the width of some panel it is drawn in
+    visible = {phase: any(1e3 * (table[m][p][w] or {}).get(phase, 0.0)
+                          >= 0.005 * axes[i][w].get_xlim()[1]
+                          for i, m in enumerate(modes) for p in table[m] for w in (0, 1))
+               for phase in PHASES}
     handles = []
     for phase in PHASES:
         label = phase
         if largest[phase] == 0.0:
             label += " (zero in every request)"
-        elif largest[phase] < 0.005 * widest:
+        elif not visible[phase]:
             label += f" (too short to see: at most {largest[phase]:.3g} ms)"
         handles.append(Patch(color=_PHASE_COLORS[phase], label=label))
     fig.legend(handles=handles, loc="upper center", ncol=3, bbox_to_anchor=(0.5, 1.03),
@@ -407,7 +413,8 @@ def link_utilisation(variants: list[Variant], out: Path, *, top: int = 8) -> str
         ax.set_ylabel("util.")
         ax.set_title(f"{label} ({moved[names[0]] / 1e9:.2f} GB each)", fontsize=8, loc="left")
     axes[-1][0].set_xlabel(f"{'simulated' if v.clock == 'simulated' else 'wall-clock'} time (ms)")
-    fig.suptitle(f"Link utilisation (rate / capacity): {v.name}", fontsize=9)
+    fig.suptitle(textwrap.fill(f"Link utilisation (rate / capacity): {v.name}", 130),
+                 fontsize=9)
     fig.tight_layout()
     return _save(fig, out, "link-utilisation.png")
 

@@ -11,7 +11,8 @@ Layout: one process per scenario variant (its simulated clock starts at 0), and 
   and wire times);
 * counter tracks per link: the aggregate rate in GB/s (from ``RunResult.link_segments``).
 
-Timestamps are simulated microseconds; the file is a pure function of the run (no wall clock).
+Timestamps are microseconds of the variant's clock: simulated for the simulator (the file is
+then a pure function of the run), wall-clock for a saved real-backend run.
 """
 
 from __future__ import annotations
@@ -121,5 +122,9 @@ def trace_events(variants: list[Variant]) -> list[dict[str, Any]]:
 
 
 def trace_document(variants: list[Variant]) -> dict[str, Any]:
+    clocks = sorted({v.clock for v in variants})
+    clock = ("simulated seconds x 1e6" if clocks == ["simulated"] else
+             "seconds x 1e6 of each variant's own clock (simulated on the simulator, wall on a "
+             "real backend)")
     return {"traceEvents": trace_events(variants), "displayTimeUnit": "ms",
-            "otherData": {"generator": "hkvsim report", "clock": "simulated seconds x 1e6"}}
+            "otherData": {"generator": "hkvsim report", "clock": clock}}
