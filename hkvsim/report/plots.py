@@ -411,7 +411,10 @@ def link_utilisation(variants: list[Variant], out: Path, *, top: int = 8) -> str
         ax.plot(xs, ys, color=cmap(k % 10), lw=1.0)
         ax.set_ylim(0, 1.1)
         ax.set_ylabel("util.")
-        ax.set_title(f"{label} ({moved[names[0]] / 1e9:.2f} GB each)", fontsize=8, loc="left")
+        each = moved[names[0]]
+        amount = f"{each / 1e9:.2f} GB" if each >= 1e8 else f"{each / 1e6:.2f} MB"
+        ax.set_title(f"{label} ({amount}{' each' if len(names) > 1 else ''})", fontsize=8,
+                     loc="left")
     axes[-1][0].set_xlabel(f"{'simulated' if v.clock == 'simulated' else 'wall-clock'} time (ms)")
     fig.suptitle(textwrap.fill(f"Link utilisation (rate / capacity): {v.name}", 130),
                  fontsize=9)
