@@ -16,6 +16,8 @@ from typing import Any
 __all__ = ["main"]
 
 EXIT_OK, EXIT_EXPECTATION, EXIT_INPUT = 0, 1, 2
+_EXIT_HELP = ("Exit status: 0 = every scenario met its [expect], 1 = one did not, 2 = bad "
+              "input.")
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -24,8 +26,10 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from .fabric.links import FabricError
     from .geometry.specs import GeometryError
     from .scenario import ScenarioError
+    from .shards import SelectionError
 
-    return (ScenarioError, GeometryError, ProfileError, PlacementError, FabricError, TPError)
+    return (ScenarioError, GeometryError, ProfileError, PlacementError, FabricError, TPError,
+            SelectionError)
 
 
 def _load(path: str) -> list[Any]:
@@ -48,12 +52,15 @@ def _console() -> Any:
 
 def _progress(items: Sequence[Any], label: str) -> Any:
     """Iterate with a progress bar on a terminal (stderr), silently otherwise."""
-    if len(items) < 2 or not sys.stderr.isatty():
-        yield from items
-        return
-    from rich.progress import track
+    from .progress import iterate
 
-    yield from track(items, description=label, console=None, transient=True)
+    return iterate(items, label)
+
+
+def _bar(total: int, label: str) -> Any:
+    from .progress import bar
+
+    return bar(total, label)
 
 
 # ---- plan --------------------------------------------------------------------------------------
@@ -113,26 +120,78 @@ def _print_plan(console: Any, plan: dict[str, Any]) -> None:
 
 
 # ---- run / sweep -------------------------------------------------------------------------------
-def _run_all(args: argparse.Namespace) -> list[Any]:
-    from .cluster import run_scenario
+def _selected(args: argparse.Namespace, count: int) -> list[int]:
+    """The variant indices this invocation runs (--shard, and --variants for --jobs children)."""
+    from .shards import Shard, parse_variant_list
 
+    indices = Shard.parse(args.shard).select(count) if args.shard else list(range(count))
+    if args.variants:
+        wanted = set(parse_variant_list(args.variants, count))
+        indices = [i for i in indices if i in wanted]
+    return indices
+
+
+def _run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Run the selected variants; their result JSON in variant order, and the file's
+    scenarios."""
+    from .results import result_json
+    from .shards import SelectionError, run_children
+
+    scenarios = _load(args.file)
+    indices = _selected(args, len(scenarios))
+    count = len(scenarios)
+    if args.jobs < 1:
+        raise SelectionError(f"--jobs {args.jobs}: expected a number of processes >= 1")
+    if args.jobs > 1 and len(indices) > 1:
+        if args.backend != "sim":
+            raise SelectionError(f"--jobs {args.jobs} with --backend {args.backend}: every "
+                                 f"variant already runs one process per rank; spread a sweep "
+                                 f"over machines with --shard i/n instead")
+        flags = [f for f, on in (("--timing-only", args.timing_only),
+                                 ("--requests", args.requests)) if on]
+        chunks = min(len(indices), args.jobs)
+        with _bar(chunks, f"running {len(indices)} variants in {chunks} processes") as step:
+            return run_children(args.file, indices, jobs=args.jobs, flags=flags,
+                                on_chunk=step), scenarios
     if args.backend == "nixl":  # real NIXL, one process per rank (hkvsim/backends)
         from .drivers.nixl import run_for_cli
 
-        return run_for_cli(_load(args.file), timing_only=args.timing_only, progress=_progress)
-    scenarios = _load(args.file)
-    return [run_scenario(s, timing_only=args.timing_only)
-            for s in _progress(scenarios, "running")]
+        results = run_for_cli([scenarios[i] for i in indices], timing_only=args.timing_only,
+                              progress=_progress)
+        return [result_json(r, requests=args.requests, position=(i, count))
+                for i, r in zip(indices, results)], scenarios
+    from .cluster import run_scenario
+
+    if len(indices) == 1:  # one variant: progress by request (a long run is not silent)
+        (i,) = indices
+        with _bar(scenarios[i].workload.num_requests, "requests served") as step:
+            result = run_scenario(scenarios[i], timing_only=args.timing_only,
+                                  progress=lambda _record: step())
+        return [result_json(result, requests=args.requests, position=(i, count))], scenarios
+    return [result_json(run_scenario(scenarios[i], timing_only=args.timing_only),
+                        requests=args.requests, position=(i, count))
+            for i in _progress(indices, "running")], scenarios
+
+
+def _envelope(args: argparse.Namespace, data: list[dict[str, Any]], count: int
+              ) -> dict[str, Any]:
+    """The JSON of several variants (every sweep file, and any --shard / --jobs run)."""
+    from .shards import Shard
+
+    shard = str(Shard.parse(args.shard)) if args.shard else None
+    return {"source": args.file, "variants": count, "shard": shard,
+            "expectation_met": all(d["expectation_met"] for d in data),
+            "verified": bool(data) and all(d["verified"] for d in data), "scenarios": data}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .results import result_json
-
-    results = _run_all(args)
-    data = [result_json(r, requests=args.requests) for r in results]
+    data, scenarios = _run_all(args)
     met = all(d["expectation_met"] for d in data)
     if args.json:
-        _emit_json(data[0] if len(data) == 1 else {"scenarios": data, "expectation_met": met})
+        # one object for a file without [sweep]; the envelope for a sweep (whatever the
+        # number of variants) and for any --shard / --jobs run
+        flat = not scenarios[0].sweep_point and not args.shard and args.jobs == 1
+        _emit_json(data[0] if flat and len(data) == 1 else _envelope(args, data, len(scenarios)))
     else:
         console = _console()
         for d in data:
@@ -140,53 +199,127 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK if met else EXIT_EXPECTATION
 
 
+def _bytes_line(req: dict[str, Any], verification: str) -> str:
+    """What the oracle says, never more: 'not verified' when it did not run."""
+    if verification == "timing-only":
+        return "bytes [yellow]not verified[/] (timing-only)"
+    text = f"bytes verified: {req['byte_exact']} request(s) byte-exact"
+    if req["corrupted"]:
+        text += f", [red]{req['corrupted']} corrupted[/] (reported successful with wrong bytes)"
+    if req["mismatched_bytes"]:
+        text += f", [red]{req['mismatched_bytes']:,} mismatched bytes[/]"
+    return text
+
+
 def _print_result(console: Any, d: dict[str, Any]) -> None:
+    from rich.markup import escape
+
     req = d["requests"]
     status = "[green]expectation met[/]" if d["expectation_met"] else "[red]EXPECTATION NOT MET[/]"
-    console.rule(f"[bold]{d['scenario']}[/]")
+    console.rule(f"[bold]{escape(d['scenario'])}[/]")
     console.print(f"outcome [bold]{d['outcome']}[/] - {status}")
-    console.print(f"requests: {req['completed']}/{req['total']} completed, {req['failed']} failed, "
-                  f"{req['hung']} hung; byte-exact: {req['byte_exact']}; mismatched bytes: "
-                  f"{req['mismatched_bytes']:,}")
+    counts = f"requests: {req['completed']}/{req['total']} completed, {req['failed']} failed, "
+    counts += f"{req['hung']} hung" + (f", {req['aborted']} aborted" if req["aborted"] else "")
+    console.print(f"{counts}; {_bytes_line(req, d['verification'])}")
+    leaks = ", ".join(f"{k} {v}" for k, v in d["leaks"].items())
     console.print(f"moved {req['bytes']:,} B in {req['descriptors']:,} descriptors over "
-                  f"{req['transfers']:,} transfers; leaks {d['leaks']}")
+                  f"{req['transfers']:,} transfers; leaks: {leaks or 'none'}")
     t = d["time"]
+    clock = "simulated" if t["clock"] == "simulated" else "wall clock"
+    line = f"elapsed {t['elapsed_seconds']:.3f} s ({clock})"
     if t["transfer_seconds"]:
         ts = t["transfer_seconds"]
-        console.print(f"transfer time p50 {ts['p50'] * 1e3:.3f} ms, p99 {ts['p99'] * 1e3:.3f} ms; "
-                      f"simulated {t['simulated_seconds']:.3f} s")
-    for line in d["handshake_errors"][:3]:
-        console.print(f"[red]handshake:[/] {line}")
+        line = f"transfer time p50 {ts['p50'] * 1e3:.3f} ms, p99 {ts['p99'] * 1e3:.3f} ms; " + line
+    console.print(line)
+    counters = [f"{k} {v:,}" for k, v in d["counters"].items() if v]
+    if counters:
+        console.print("counters: " + ", ".join(counters))
+    for text in d["handshake_errors"][:3]:
+        console.print(f"[red]handshake:[/] {escape(text)}", soft_wrap=True)
     for f in d["failures"][:3]:
-        console.print(f"[red]request {f['request']} failed[/] ({f['class']}): {f['reason']}")
+        console.print(f"[red]request {f['request']} failed[/] ({f['class']}): "
+                      f"{escape(str(f['reason']))}", soft_wrap=True)
     for m in d["mismatches"][:5]:
-        console.print(f"[red]mismatch:[/] {m}")
+        console.print(f"[red]mismatch:[/] {escape(m)}", soft_wrap=True)
     for p in d["expectation_problems"]:
-        console.print(f"[red]expectation:[/] {p}")
+        console.print(f"[red]expectation:[/] {escape(p)}", soft_wrap=True)
+
+
+# dotted sweep keys -> what the 80-column sweep table shows (the table's caption spells them out)
+_SECTION_ABBREV = {"prefill": "P", "decode": "D"}
+_LEAF_ABBREV = {"descriptor_merge": "merge", "attention_backend": "attn",
+                "registration_order": "order", "prefix_caching": "prefix",
+                "kv_cache_layout": "layout", "block_size": "block", "num_blocks": "blocks",
+                "prompt_tokens": "prompt", "prefix_hit_tokens": "hit",
+                "max_inflight": "inflight", "cache_dtype": "dtype", "preset": "model",
+                "kv_load_failure_policy": "on-failure", "tokens_per_second": "tok/s",
+                "enforce_handshake_compat": "compat"}
+
+
+def _variant_keys(keys: Sequence[str]) -> dict[str, str]:
+    """Short, unambiguous names for swept keys: ``prefill.tp`` -> ``P.tp``, ``connector.mode`` ->
+    ``mode``, ``connector.descriptor_merge`` -> ``merge`` (the full key when two would clash)."""
+    short = {}
+    for key in keys:
+        section, _, leaf = key.partition(".")
+        name = _LEAF_ABBREV.get(leaf, leaf)
+        short[key] = f"{_SECTION_ABBREV[section]}.{name}" if section in _SECTION_ABBREV else name
+    clashes = {v for v in short.values() if list(short.values()).count(v) > 1}
+    return {k: (k if v in clashes else v) for k, v in short.items()}
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "/".join(str(v) for v in value)
+    return str(value)
+
+
+def _sweep_table(data: list[dict[str, Any]], scenarios: list[Any], *, shard: str | None
+                 ) -> Any:
+    """The sweep's rich table: one row per variant, labelled with short key names (spelled out
+    in the caption) so that it stays readable at 80 columns."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .results import summary_row
+
+    short = _variant_keys(list(scenarios[0].sweep_point))
+    title = scenarios[0].scenario.name.split(" [")[0]
+    shown = f"{len(data)} of {len(scenarios)} variant(s), shard {shard}" if shard \
+        else f"{len(data)} variant(s)"
+    table = Table(title=escape(f"{title}: {shown}"))
+    table.add_column("variant", overflow="fold", ratio=1)
+    for head in ("outcome", "expect", "requests", "bytes", "descriptors", "transfer p50"):
+        table.add_column(head, justify="left" if head in ("outcome", "expect", "bytes") else
+                         "right", no_wrap=head != "outcome")
+    for d in data:
+        row = summary_row(d)
+        point = d["sweep_point"]
+        label = " ".join(f"{short[k]}={_format_value(v)}" for k, v in point.items()) \
+            if point else row["scenario"]
+        if row["verification"] == "timing-only":
+            checked = "not verified"
+        elif row["corrupted"] or row["mismatched_bytes"]:
+            checked = f"[red]{row['corrupted']} corrupted[/]"
+        else:
+            checked = "exact"
+        p50 = row["transfer_p50_ms"]
+        table.add_row(escape(label), row["outcome"],
+                      "[green]met[/]" if row["met"] else "[red]NOT MET[/]", row["requests"],
+                      checked, f"{row['descriptors']:,}", "-" if p50 is None else f"{p50:.3f} ms")
+    renamed = [f"{v} = {k}" for k, v in short.items() if v != k]
+    if renamed:
+        table.caption = escape("; ".join(renamed))
+    return table
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
-    from .results import result_json, summary_row
-
-    results = _run_all(args)
-    met = all(not result_json(r)["expectation_problems"] for r in results)
+    data, scenarios = _run_all(args)
+    met = all(d["expectation_met"] for d in data)
     if args.json:
-        _emit_json({"scenarios": [result_json(r) for r in results], "expectation_met": met})
-        return EXIT_OK if met else EXIT_EXPECTATION
-    rows = [summary_row(r) for r in results]
-    title = results[0].scenario.scenario.name.split(" [")[0] if results else ""
-    table = Table("variant", "outcome", "expect", "requests", "mismatched B", "descriptors",
-                  "transfer p50", title=f"{title}: {len(rows)} variant(s)")
-    for row, result in zip(rows, results):
-        point = result.scenario.sweep_point
-        label = ", ".join(f"{k}={v}" for k, v in point.items()) if point else row["scenario"]
-        table.add_row(label, row["outcome"],
-                      "[green]met[/]" if row["met"] else "[red]NOT MET[/]", row["requests"],
-                      f"{row['mismatched_bytes']:,}", f"{row['descriptors']:,}",
-                      f"{row['transfer_p50_ms']:.3f} ms")
-    _console().print(table)
+        _emit_json(_envelope(args, data, len(scenarios)))
+    else:
+        _console().print(_sweep_table(data, scenarios, shard=_envelope(args, data, 0)["shard"]))
     return EXIT_OK if met else EXIT_EXPECTATION
 
 
@@ -195,23 +328,36 @@ def cmd_report(args: argparse.Namespace) -> int:
     from .report import build_report
 
     command = ["hkvsim", "report", *args.inputs]
-    for flag, value in (("--out", args.out), ("--title", args.title)):
+    for flag, value in (("--out", args.out), ("--title", args.title),
+                        ("--compare", args.compare)):
         if value is not None:
             command += [flag, repr(value) if " " in value else value]
-    if args.timing_only:
-        command.append("--timing-only")
+    for flag, on in (("--timing-only", args.timing_only), ("--csv", args.csv)):
+        if on:
+            command.append(flag)
     for path in args.measured:
         command += ["--measured", path]
     try:
-        out = build_report(args.inputs, args.out, title=args.title, timing_only=args.timing_only,
-                           measured=args.measured, calibration_dir=args.calibration,
-                           command=" ".join(command))
+        out, report = build_report(args.inputs, args.out, title=args.title,
+                                   timing_only=args.timing_only, measured=args.measured,
+                                   calibration_dir=args.calibration, command=" ".join(command),
+                                   compare=args.compare, csv=args.csv)
     except (ValueError, OSError) as exc:
         if args.debug:
             raise
         print(f"hkvsim: error: {exc}", file=sys.stderr)
         return EXIT_INPUT
-    print(f"wrote {out / 'report.md'} (figures, report.json and trace.json beside it)")
+    print(f"wrote {out / 'report.md'} (figures, report.json and trace.json beside it"
+          + (", requests.csv" if args.csv else "") + ")")
+    variants = report["variants"]
+    counts = report["verification"]
+    print("verification: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n))
+    unmet = [v for v in variants if not v["expectation_met"]]
+    if unmet:
+        first = unmet[0]
+        print(f"{len(unmet)} of {len(variants)} variant(s) did not meet their [expect]; first: "
+              f"{first['name']}: {(first['expectation_problems'] or ['?'])[0]}")
+        return EXIT_EXPECTATION
     return EXIT_OK
 
 
@@ -299,8 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hkvsim",
         description="Testbed for KV-cache and SSM-state transfer between prefill and decode "
                     "engines (NIXL-connector semantics; dense, MLA and hybrid MLA+SSM models).",
-        epilog="Exit status: 0 = every scenario met its [expect], 1 = one did not, "
-               "2 = bad input.")
+        epilog=_EXIT_HELP)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _common_flags(parser, default=False)
     # the same flags after the command (`hkvsim run FILE --debug`); SUPPRESS keeps a flag given
@@ -317,38 +462,62 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     for name, func, text in (
-        ("run", cmd_run, "run a scenario on a backend and verify every byte"),
+        ("run", cmd_run, "run a scenario (every variant of a [sweep]) and verify every byte"),
         ("sweep", cmd_sweep, "run every variant of a scenario's [sweep] and tabulate them"),
     ):
-        p = sub.add_parser(name, help=text)
+        p = sub.add_parser(name, help=text, description=text + ". " + _EXIT_HELP)
         p.add_argument("file", help="scenario TOML file")
-        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--json", action="store_true",
+                       help="machine-readable output: run prints one object for a file "
+                            "without [sweep]; otherwise (and for sweep) {source, variants, "
+                            "shard, expectation_met, verified, scenarios: [...]}")
+        p.add_argument("--requests", action="store_true",
+                       help="include per-request details in --json output (what `hkvsim "
+                            "report` reads back)")
         p.add_argument("--backend", default="sim", choices=["sim", "nixl"],
                        help="transport backend (default: sim, the simulated fabric; nixl: real "
                             "NIXL agents, one process per rank, DRAM over UCX)")
         p.add_argument("--timing-only", action="store_true",
-                       help="move no bytes and skip verification (as [workload] verify = false)")
-        if name == "run":
-            p.add_argument("--requests", action="store_true",
-                           help="include per-request details in --json output")
-        p.set_defaults(func=func, requests=False)
+                       help="move no bytes and skip verification (as [workload] verify = false; "
+                            "an [expect] byte_exact = true is then not met)")
+        p.add_argument("--jobs", type=int, default=1, metavar="N",
+                       help="split the variants over N child hkvsim processes on this "
+                            "machine (simulator only; the same results as a serial run)")
+        p.add_argument("--shard", default=None, metavar="I/N",
+                       help="run only the variants whose index is I modulo N (0 <= I < N), to "
+                            "spread a sweep over N machines; `hkvsim report` merges the saved "
+                            "--json --requests outputs")
+        p.add_argument("--variants", default=None, help=argparse.SUPPRESS)  # --jobs children
+        p.set_defaults(func=func)
 
     p = sub.add_parser("report", help="run scenarios (or read saved run results) and write a "
-                                      "markdown + PNG report and a Perfetto trace")
+                                      "markdown + PNG report and a Perfetto trace",
+                       description="Run scenarios (or read saved `run|sweep --json --requests` "
+                                   "results, e.g. the shards of a sweep) and write a markdown + "
+                                   "PNG report, report.json and a Perfetto trace. "
+                                   + _EXIT_HELP)
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="scenario TOML file, directory of them (each file one family), or a "
-                        "saved `hkvsim run --json --requests` result")
+                        "saved `hkvsim run|sweep --json --requests` result (shards of one sweep "
+                        "are merged)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default: reports/<name of the first input>)")
     p.add_argument("--title", default=None, help="page title")
+    p.add_argument("--compare", default=None, metavar="AXIS",
+                   help="put the values of AXIS side by side: input, backend, or a scenario key "
+                        "such as connector.mode or connector.descriptor_merge (default: input "
+                        "when several inputs are given)")
+    p.add_argument("--csv", action="store_true",
+                   help="also write requests.csv, one row per request of every variant")
     p.add_argument("--timing-only", action="store_true",
-                   help="move no bytes and skip verification (large sweeps)")
+                   help="move no bytes and skip verification (large sweeps; an [expect] "
+                        "byte_exact = true is then not met)")
     p.add_argument("--measured", action="append", default=[], metavar="RESULT.json",
                    help="saved `hkvsim run --json --requests` output of the same scenarios on a "
                         "real backend: fills the measured columns (repeatable)")
     p.add_argument("--calibration", default="reports/calibration", metavar="DIR",
-                   help="calibration data for the simulated-vs-measured plot (default: "
-                        "reports/calibration)")
+                   help="measurements for the simulated-vs-measured plot, shown only for the "
+                        "fabric profiles the report uses (default: reports/calibration)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("calibrate", help="measure real NIXL transfers on this machine, fit the "

@@ -3,19 +3,58 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .pd.records import RunResult
 
-__all__ = ["expectation_problems", "result_json", "summary_row"]
+__all__ = ["NOT_VERIFIED", "clock", "expectation_problems", "result_json", "summary_row",
+           "transfer_span", "verification"]
+
+# the reason a run that moved no bytes (or did not check them) cannot meet byte_exact = true
+NOT_VERIFIED = ("[expect] byte_exact = true, but no byte was verified (a timing-only run: "
+                "--timing-only or [workload] verify = false); verify the bytes, or set [expect] "
+                "byte_exact = false for a timing-only scenario")
+
+
+def transfer_span(times: Mapping[str, float], telemetry: Sequence[Mapping[str, Any]]
+                  ) -> float | None:
+    """A request's own transfer time: from its first READ (pull) or WRITE (push) starting to
+    post to its transfer completing on decode (every READ DONE; every WRITE notification in).
+
+    Time spent before that, waiting for a slot, for blocks, for a handshake (push: prefill's
+    reverse handshake) or behind another request's posts on the same rank, is not transfer
+    time: with it, a request queued behind a longer one looks slower than the longer one. None
+    for a request that completed no transfer (a full prefix hit only notifies)."""
+    starts = [t["completed"] - t["transfer_seconds"] - t["post_seconds"] for t in telemetry
+              if t.get("completed") is not None]
+    if "transfer_done" not in times or not starts:
+        return None
+    return max(times["transfer_done"] - min(starts), 0.0)
+
+
+def verification(result: RunResult) -> str:
+    """What the oracle says about a run: ``verified`` (it checked every completed request and
+    found no wrong byte), ``failed`` (it found wrong bytes) or ``timing-only`` (it did not run)."""
+    if not result.verified:
+        return "timing-only"
+    return "failed" if result.mismatched_bytes else "verified"
+
+
+def clock(result: RunResult) -> str:
+    """Which clock the run's times are on: ``simulated`` (the simulator) or ``wall`` (a real
+    backend)."""
+    return "simulated" if result.backend == "sim" else "wall"
 
 
 def expectation_problems(result: RunResult) -> list[str]:
     """Why the scenario's [expect] is not met; empty when it is."""
     expect = result.scenario.expect
     problems: list[str] = []
+    if expect.byte_exact and not result.verified:
+        problems.append(NOT_VERIFIED)
     outcome = result.outcome
     if outcome == "corruption" and not expect.byte_exact:
         outcome = result.outcome_besides_corruption
@@ -94,16 +133,29 @@ def _stats(values: list[float]) -> dict[str, float]:
             "p99": float(np.percentile(arr, 99)), "max": float(arr.max())}
 
 
-def result_json(result: RunResult, *, requests: bool = False) -> dict[str, Any]:
+def result_json(result: RunResult, *, requests: bool = False,
+                position: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """The JSON of one run. ``position``: (index, count) of the variant in its file's sweep
+    (``(0, 1)`` without one), so shards of a sweep can be put back in order.
+
+    Nothing unverified is reported as checked: without the oracle (``verified`` false),
+    ``requests.byte_exact``, ``requests.mismatched_bytes`` and ``requests.corrupted`` are
+    ``None``."""
     problems = expectation_problems(result)
     recs = result.records
-    transfer = [r.times["transfer_done"] - r.times["transfer_start"] for r in recs
-                if "transfer_done" in r.times and r.status == "ok"]
+    checked = result.verified
+    spans = [transfer_span(r.times, r.telemetry) for r in recs if r.status == "ok"]
+    transfer = [t for t in spans if t is not None]
     out: dict[str, Any] = {
         "scenario": result.scenario.scenario.name,
         "source": result.scenario.source,
         "sweep_point": result.scenario.sweep_point,
+        "sweep_index": position[0],
+        "sweep_variants": position[1],
+        "backend": result.backend,
         "outcome": result.outcome,
+        "verified": checked,
+        "verification": verification(result),
         "expectation_met": not problems,
         "expectation_problems": problems,
         "warnings": list(result.warnings),
@@ -114,8 +166,9 @@ def result_json(result: RunResult, *, requests: bool = False) -> dict[str, Any]:
             "aborted": result.aborted,
             "hung": result.hung,
             "byte_exact": sum(r.status == "ok" and r.mismatched_words == 0 for r in recs)
-            if result.scenario.workload.verify else None,
-            "mismatched_bytes": result.mismatched_bytes,
+            if checked else None,
+            "corrupted": result.corrupted if checked else None,
+            "mismatched_bytes": result.mismatched_bytes if checked else None,
             "freed_by_lease": sum(r.freed_by_lease for r in recs),
             "recomputed": sum(r.recovered_from is not None for r in recs),
             "descriptors": sum(r.descriptors for r in recs),
@@ -132,7 +185,8 @@ def result_json(result: RunResult, *, requests: bool = False) -> dict[str, Any]:
         "misplaced_writes": list(result.misplaced_write_reports),
         "counters": dict(result.counters),
         "time": {
-            "simulated_seconds": result.sim_seconds,
+            "clock": clock(result),
+            "elapsed_seconds": result.sim_seconds,
             "max_seconds_to_terminal": max((r.times["done"] - r.arrival for r in recs
                                             if "done" in r.times), default=0.0),
             "transfer_seconds": _stats(transfer),
@@ -147,14 +201,18 @@ def result_json(result: RunResult, *, requests: bool = False) -> dict[str, Any]:
     return out
 
 
-def summary_row(result: RunResult) -> dict[str, Any]:
-    data = result_json(result)
+def summary_row(data: dict[str, Any]) -> dict[str, Any]:
+    """The sweep table's row of one run's JSON (:func:`result_json`)."""
+    req = data["requests"]
     return {
         "scenario": data["scenario"],
         "outcome": data["outcome"],
         "met": data["expectation_met"],
-        "requests": f"{data['requests']['completed']}/{data['requests']['total']}",
-        "mismatched_bytes": data["requests"]["mismatched_bytes"],
-        "descriptors": data["requests"]["descriptors"],
-        "transfer_p50_ms": 1e3 * data["time"]["transfer_seconds"].get("p50", 0.0),
+        "requests": f"{req['completed']}/{req['total']}",
+        "verification": data["verification"],
+        "corrupted": req["corrupted"],
+        "mismatched_bytes": req["mismatched_bytes"],
+        "descriptors": req["descriptors"],
+        "transfer_p50_ms": 1e3 * data["time"]["transfer_seconds"]["p50"]
+        if data["time"]["transfer_seconds"] else None,
     }

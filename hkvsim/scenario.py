@@ -374,6 +374,13 @@ class EngineSection(_Section):
     preset: PresetName | None = None
 
 
+class PrefillSection(EngineSection):
+    """``[prefill]``: an engine, plus its compute throughput for the report's P/D sizing view
+    (prompt tokens per second per rank; it does not change the simulation)."""
+
+    tokens_per_second: PositiveFloat | None = None
+
+
 class ConnectorSection(_Section):
     mode: Literal["pull", "push"] = "pull"
     registration_order: RegistrationOrder = "sorted"
@@ -679,7 +686,7 @@ class ScenarioDocument(_Section):
 
     scenario: ScenarioSection
     model: ModelSection
-    prefill: EngineSection = Field(default_factory=EngineSection)
+    prefill: PrefillSection = Field(default_factory=PrefillSection)
     decode: EngineSection = Field(default_factory=EngineSection)
     connector: ConnectorSection = Field(default_factory=ConnectorSection)
     fabric: FabricSection = Field(default_factory=FabricSection)

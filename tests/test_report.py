@@ -72,12 +72,13 @@ def test_report_writes_markdown_figures_and_trace(sweep_report: tuple[Path, Path
         assert (out / figure).read_bytes()[:8] == PNG, figure
         assert f"]({figure})" in text, figure
     for heading in ("## Summary", "## Transfer time and descriptors vs prompt length",
-                    "## P TP x D TP", "## Attention KV vs recurrent state", "## Time breakdown",
+                    "## P TP x D TP", "## MLA KV vs KDA state", "## Time breakdown",
                     "## Link utilisation", "## Simulated vs measured", "## Trace"):
         assert heading in text
-    assert "No calibration data" in text
+    assert "No measurements in" in text
     assert not (out / "simulated-vs-measured.png").exists()
-    assert "All 8 variants moved real bytes" in text and text.startswith("# report test\n")
+    assert "The oracle checked every byte of every completed request in all 8 variants" in text
+    assert text.startswith("# report test\n")
 
 
 def test_trace_is_valid_chrome_trace_of_every_transfer(sweep_report: tuple[Path, Path]) -> None:
@@ -150,7 +151,7 @@ def test_merge_comparison_and_measured_hook(tmp_path: Path,
     assert main(["report", str(family), "--out", str(out),
                  "--calibration", str(tmp_path / "none")]) == 0
     text = (out / "report.md").read_text()
-    assert "## Descriptor merging" in text and "pending (NIXL backend" in text
+    assert "## Descriptor merging" in text and "| not measured |" in text
     assert (out / "descriptor-merging.png").read_bytes()[:8] == PNG
     (fam,) = json.loads((out / "report.json").read_text())["descriptor_merging"]
     modes = fam["modes"]
@@ -169,20 +170,28 @@ def test_merge_comparison_and_measured_hook(tmp_path: Path,
     assert main(["report", str(family), "--out", str(out2), "--measured", str(measured),
                  "--calibration", str(tmp_path / "none")]) == 0
     text = (out2 / "report.md").read_text()
-    assert "pending (NIXL backend" not in text and "contiguous: " in text
+    assert "| not measured |" not in text and "contiguous: " in text
 
 
-def test_calibration_points_are_plotted(sweep_report: tuple[Path, Path], tmp_path: Path) -> None:
+def test_calibration_points_are_plotted_for_the_profile_they_measured(
+        sweep_report: tuple[Path, Path], tmp_path: Path) -> None:
     scenario, _ = sweep_report
     cal = tmp_path / "calibration"
     cal.mkdir()
-    (cal / "points.json").write_text(json.dumps({"points": [
-        {"label": "a", "simulated_seconds": 0.002, "measured_seconds": 0.003},
-        {"label": "b", "simulated_seconds": 0.010, "measured_seconds": 0.009}]}))
+    points = [{"label": "a", "simulated_seconds": 0.002, "measured_seconds": 0.003},
+              {"label": "b", "simulated_seconds": 0.010, "measured_seconds": 0.009}]
+    # a calibration of another profile (the CPU loopback one) says nothing about h200-nvlink
+    (cal / "cpu-ucx-loopback.json").write_text(json.dumps({"points": points}))
     out = tmp_path / "cal"
     assert main(["report", str(scenario), "--out", str(out), "--calibration", str(cal)]) == 0
+    assert not (out / "simulated-vs-measured.png").exists()
+    assert "No measurements in" in (out / "report.md").read_text()
+    # points of the profile the report's scenarios use are plotted
+    (cal / "h200.json").write_text(json.dumps({"profile_name": "h200-nvlink", "points": points}))
+    assert main(["report", str(scenario), "--out", str(out), "--calibration", str(cal)]) == 0
     assert (out / "simulated-vs-measured.png").read_bytes()[:8] == PNG
-    assert "2 measured points" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "2 measured points" in text and "cpu-ucx-loopback.json" not in text
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

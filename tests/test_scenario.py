@@ -18,6 +18,7 @@ from hkvsim.geometry.presets import preset, preset_names
 from hkvsim.scenario import (
     MAX_SWEEP_VARIANTS,
     EngineSection,
+    PrefillSection,
     PromptRange,
     Scenario,
     ScenarioError,
@@ -85,8 +86,9 @@ def test_design_example_parses() -> None:
 def test_defaults() -> None:
     (s,) = parse_scenarios(MINIMAL)
     assert s.scenario.seed == 0 and s.scenario.description == ""
+    assert s.prefill == PrefillSection() and s.prefill.tokens_per_second is None
+    assert s.decode == EngineSection()
     for engine in (s.prefill, s.decode):
-        assert engine == EngineSection()
         assert (engine.tp, engine.instances, engine.block_size, engine.num_blocks) == (
             1, 1, None, None
         )

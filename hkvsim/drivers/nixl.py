@@ -755,7 +755,7 @@ class NixlDriver:
         return RunResult(scenario=self.scenario, records=self.coord.records,
                          handshake_errors=self.coord.handshake_errors, leaks=leaks,
                          counters=counters, sim_seconds=self.coord.makespan(), layouts=layouts,
-                         warnings=self.coord.warnings(),
+                         warnings=self.coord.warnings(), verified=self.verify, backend="nixl",
                          link_segments=[])
 
     def _run_budget(self, last_arrival: float) -> float:

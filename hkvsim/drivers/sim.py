@@ -30,7 +30,7 @@ from ..pd.deployment import build_deployment
 from ..pd.ops import Connect, ConnectNotifyOnly, Died, RankError, RankId, Reply, StartRead, StartWrite
 from ..pd.pool import FREE_BLOCK
 from ..pd.rank import RankExecutor
-from ..pd.records import RunResult
+from ..pd.records import RequestRecord, RunResult
 from ..scenario import Scenario
 from ..transport.base import TransportError
 from ..transport.sim import SimWorld
@@ -44,7 +44,7 @@ class SimDriver:
     """Runs one scenario on the simulated fabric."""
 
     def __init__(self, scenario: Scenario, *, timing_only: bool = False,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[RequestRecord], None] | None = None) -> None:
         self.scenario = scenario
         self.dep = build_deployment(scenario)
         self.verify = scenario.workload.verify and not timing_only
@@ -61,6 +61,7 @@ class SimDriver:
                                transfer_timeout=scenario.connector.transfer_timeout_seconds)
             self.world.faults = faults
         self.coord = Coordinator(self.dep, verify=self.verify, faults=faults)
+        self.coord.on_request_end = progress
         self.ranks: dict[RankId, RankExecutor] = {}
         self._agent_rank: dict[str, RankId] = {}
         self._base: dict[RankId, int] = {}
@@ -86,7 +87,6 @@ class SimDriver:
         self.loop = CoordinatorLoop(self.coord, self._carry_out, self._after_input)
         self._timer_at: float | None = None
         self._timer_gen = 0
-        self._done = 0
 
     # ---- the run --------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -123,7 +123,6 @@ class SimDriver:
 
     def _after_input(self) -> None:
         self._arm_timer()
-        self._report_progress()
 
     def _execute(self, call: Call) -> Reply:
         op = call.op
@@ -179,14 +178,6 @@ class SimDriver:
             return  # superseded by an earlier deadline
         self._timer_at = None
         self._deliver(lambda: self.coord.on_timer(self.env.now))
-
-    def _report_progress(self) -> None:
-        if self.progress is None:
-            return
-        done = sum(r.status != "pending" for r in self.coord.records)
-        if done != self._done:
-            self._done = done
-            self.progress(done, len(self.coord.records))
 
     # ---- the landing guard ----------------------------------------------------------------
     def _on_landing(self, agent: str, addrs: np.ndarray, lengths: np.ndarray, owner: Any,
@@ -246,11 +237,12 @@ class SimDriver:
                          misplaced_write_reports=coord.misplaced_write_reports,
                          handshake_errors=coord.handshake_errors, leaks=leaks, counters=counters,
                          sim_seconds=coord.makespan(), layouts=layouts, warnings=coord.warnings(),
+                         verified=self.verify,
                          link_segments=self.fabric.link_segments())
 
 
 def run_scenario(scenario: Scenario, *, timing_only: bool = False,
-                 progress: Callable[[int, int], None] | None = None) -> RunResult:
+                 progress: Callable[[RequestRecord], None] | None = None) -> RunResult:
     """Run one scenario on the simulated fabric (``timing_only``: move no bytes, verify none;
-    ``progress(done, total)`` is called as requests reach a terminal state)."""
+    ``progress`` is called with each request's record as its serving ends)."""
     return SimDriver(scenario, timing_only=timing_only, progress=progress).run()

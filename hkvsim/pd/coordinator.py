@@ -27,7 +27,7 @@ driver passes: simulated seconds on the simulated fabric, wall seconds on real N
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -231,6 +231,8 @@ class Coordinator:
         self._quarantine: dict[str, _Quarantine] = {}
         self._activity = self.sched.signal()
         self._started = False
+        # called with a request's record when its flow ends (progress reporting)
+        self.on_request_end: Callable[[RequestRecord], None] | None = None
 
     # ---- driver API -----------------------------------------------------------------------
     def set_rank_info(self, rank: RankId, *, payload: bytes, agent: str,
@@ -436,6 +438,8 @@ class Coordinator:
             yield from self._serve(req)
         finally:
             self._release_slot()
+        if self.on_request_end is not None:
+            self.on_request_end(rec)
 
     def _acquire_slot(self) -> Signal:
         signal = self.sched.signal()

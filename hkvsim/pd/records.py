@@ -71,6 +71,8 @@ class RunResult:
     link_segments: list[Any] = field(default_factory=list)  # fabric LinkSegment records
     misplaced_write_reports: list[str] = field(default_factory=list)  # the first few, explained
     warnings: list[str] = field(default_factory=list)  # e.g. prefix hits rounded down
+    verified: bool = False  # the oracle checked every completed request's bytes
+    backend: str = "sim"  # "sim": sim_seconds is simulated time; any other: wall-clock time
 
     @property
     def hung(self) -> int:

@@ -99,19 +99,24 @@ def load_measured(paths: list[str | Path]) -> dict[str, Variant]:
 
 
 def calibration_points(variants: list[Variant], directory: Path) -> list[dict[str, Any]]:
-    """Simulated vs measured transfer times from ``directory`` (``reports/calibration/``).
+    """Simulated vs measured transfer times from ``directory`` (``reports/calibration/``), for
+    the fabric profiles this report's variants use, and only those: a point tests the profile
+    that predicted it, so a CPU-loopback calibration says nothing about an H200 profile and is
+    left out of an H200 report. Every point carries that ``profile``.
 
     Accepted files (``*.json``):
 
+    * ``{"points": [{"label", "simulated_seconds", "measured_seconds", ...}]}``: points that
+      carry their own simulated value (``hkvsim calibrate``); they test the profile named by
+      the file's ``"profile_name"``, else by the file's name (``cpu-ucx-loopback.json``);
     * a saved ``hkvsim run --json --requests`` output of a real backend: each request is
       matched by (scenario name, request index) to this report's simulated run of the same
-      scenario;
-    * ``{"points": [{"label", "simulated_seconds", "measured_seconds", ...}]}``: points that
-      carry their own simulated value (e.g. from ``hkvsim calibrate``).
+      scenario, which tests that scenario's profile.
     """
     if not directory.is_dir():
         return []
-    sims = {v.name: v for v in variants}
+    sims = {v.name: v for v in variants if v.backend == "sim"}
+    profiles = {v.profile for v in sims.values()}
     points: list[dict[str, Any]] = []
     for file in sorted(directory.glob("*.json")):
         try:
@@ -119,10 +124,14 @@ def calibration_points(variants: list[Variant], directory: Path) -> list[dict[st
         except (OSError, ValueError):
             continue
         if isinstance(data, dict) and isinstance(data.get("points"), list):
+            named = data.get("profile_name")
+            profile = named if isinstance(named, str) and named else file.stem
+            if profile not in profiles:
+                continue
             for p in data["points"]:
                 if isinstance(p, dict) and p.get("simulated_seconds") and p.get(
                         "measured_seconds"):
-                    points.append({**p, "source": file.name,
+                    points.append({**p, "source": file.name, "profile": profile,
                                    "transport": str(data.get("transport", "?"))})
             continue
         try:
@@ -131,14 +140,15 @@ def calibration_points(variants: list[Variant], directory: Path) -> list[dict[st
             continue
         for m in measured:
             sim = sims.get(m.name)
-            if sim is None:
+            if sim is None or m.backend == "sim":
                 continue
             sreqs = {r["index"]: r for r in sim.ok_requests()}
             for r in m.ok_requests():
                 s = sreqs.get(r["index"])
                 ts, tm = (transfer_seconds(sim, s) if s else None), transfer_seconds(m, r)
                 if ts and tm:
-                    points.append({"source": file.name, "transport": m.profile,
+                    points.append({"source": file.name, "transport": m.backend,
+                                   "profile": sim.profile,
                                    "label": f"{m.name} #{r['index']}",
                                    "simulated_seconds": ts, "measured_seconds": tm,
                                    "descriptors": r["descriptors"], "nbytes": r["nbytes"]})

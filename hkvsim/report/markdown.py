@@ -7,7 +7,7 @@ from typing import Any
 
 from .data import PHASES, Variant
 
-__all__ = ["table", "page"]
+__all__ = ["table", "page", "verification_text"]
 
 
 def table(header: list[str], rows: list[list[Any]], align: str | None = None) -> str:
@@ -34,27 +34,97 @@ def _pair_sort(pair: str) -> tuple[int, int]:
     return int(p), int(d)
 
 
-def _summary(variants: list[Variant], rows: list[dict[str, Any]]) -> str:
+def verification_text(v: Variant) -> str:
+    """One variant's verification, as the tables show it."""
+    if v.verification == "timing-only":
+        return "timing-only (not checked)"
+    if v.verification == "failed":
+        parts = [f"{v.corrupted} corrupted" if v.corrupted else "",
+                 f"{v.mismatched_bytes:,} B wrong" if v.mismatched_bytes else ""]
+        return "FAILED: " + ", ".join(p for p in parts if p)
+    return "verified"
+
+
+def _counted(values: list[str]) -> str:
+    counts: dict[str, int] = defaultdict(int)
+    for x in values:
+        counts[x] += 1
+    return ", ".join(f"{k} {n}" if len(counts) > 1 or n > 1 else k
+                     for k, n in sorted(counts.items()))
+
+
+def _summary(variants: list[Variant]) -> str:
     fam: dict[str, list[Variant]] = defaultdict(list)
     for v in variants:
         fam[v.family].append(v)
     out = []
-    for name in sorted(fam):
+    for name in fam:
         vs = fam[name]
         reqs = [r for v in vs for r in v.requests]
         ok = [r for v in vs for r in v.ok_requests()]
-        outcomes = sorted({v.outcome for v in vs})
-        verified = sum(v.verified for v in vs)
-        out.append([name, len(vs), f"{len(ok)}/{len(reqs)}", ", ".join(outcomes),
-                    sum(v.expectation_met for v in vs),
-                    f"{verified}/{len(vs)}" + (" (byte-exact)" if verified and all(
-                        v.mismatched_bytes == 0 for v in vs if v.verified) else ""),
-                    f"{sum(r['descriptors'] for r in ok):,}",
-                    f"{sum(sum(t['descriptors'] for t in r['telemetry']) for r in ok):,}",
-                    f"{sum(r['nbytes'] for r in ok) / 1e9:,.3f}"])
+        corrupted = sum(v.corrupted or 0 for v in vs)
+        shards = {v.sweep_variants for v in vs}
+        expected = max(shards)
+        out.append([name, f"{len(vs)}" + (f" of {expected}" if len(vs) < expected else ""),
+                     f"{len(ok)}/{len(reqs)}", _counted([v.outcome for v in vs]),
+                     f"{sum(v.expectation_met for v in vs)}/{len(vs)}",
+                     _counted([v.verification for v in vs]), corrupted or "-",
+                     f"{sum(r['descriptors'] for r in ok):,}",
+                     f"{sum(sum(t['descriptors'] for t in r['telemetry']) for r in ok):,}",
+                     f"{sum(r['nbytes'] for r in ok) / 1e9:,.3f}"])
     return table(["input", "variants", "requests ok", "outcomes", "expectation met",
-                  "bytes verified", "descriptors (per-block plan)", "descriptors posted",
-                  "GB moved"], out)
+                  "verification", "corrupted requests", "descriptors (per-block plan)",
+                  "descriptors posted", "GB moved"], out)
+
+
+def _verification_sentence(variants: list[Variant]) -> str:
+    """What the oracle did, never more."""
+    n = len(variants)
+    checked = [v for v in variants if v.verification == "verified"]
+    failed = [v for v in variants if v.verification == "failed"]
+    skipped = n - len(checked) - len(failed)
+    incomplete = sum(len(v.requests) - len(v.ok_requests()) for v in variants if v.verified)
+    tail = (f" ({incomplete} request(s) of verified variants did not complete, so they moved "
+            f"nothing the oracle could check: see Problems)" if incomplete else "")
+    if failed:
+        return (f"**The oracle found wrong bytes in {len(failed)} of the {n} variants** (see "
+                f"Problems); {len(checked)} were verified with no wrong byte and {skipped} ran "
+                f"timing-only (not checked).")
+    if not skipped:
+        return (f"The oracle checked every byte of every completed request in all {n} variants "
+                f"and found no wrong byte{tail}.")
+    if not checked:
+        return (f"**No byte was verified**: all {n} variants ran timing-only (descriptor "
+                f"counts, bytes and simulated times are the same as with verification, but "
+                f"nothing was checked).")
+    return (f"{len(checked)} of the {n} variants were verified byte for byte by the oracle (no "
+            f"wrong byte){tail}; the other {skipped} ran timing-only and were not checked "
+            f"(descriptor counts, bytes and simulated times are the same either way).")
+
+
+def _problems(variants: list[Variant], limit: int = 20) -> str:
+    """Every variant that did not meet its expectation, did not end ok, or failed
+    verification: its outcome, verification, corrupted count, the expectation's problems and
+    the run's own explanations."""
+    bad = [v for v in variants if not v.expectation_met or v.outcome != "ok"
+           or v.verification == "failed" or v.corrupted]
+    if not bad:
+        return ""
+    body = [[v.name, v.outcome, "yes" if v.expectation_met else "**NO**", verification_text(v),
+             v.corrupted if v.corrupted is not None else "unknown",
+             (v.expectation_problems or v.explanations or ["-"])[0].replace("|", "\\|")]
+            for v in bad[:limit]]
+    text = ["## Problems", "",
+            f"{len(bad)} variant(s) did not end `ok`, did not meet their `[expect]`, or carried "
+            f"wrong bytes{'' if len(bad) <= limit else f' (the first {limit} here; every one in report.json)'}.",
+            "", table(["variant", "outcome", "expectation met", "verification",
+                       "corrupted requests", "first problem"], body)]
+    for v in bad[:limit]:
+        lines = [f"- expectation: {p}" for p in v.expectation_problems]
+        lines += [f"- {e}" for e in v.explanations]
+        if lines:
+            text += ["", f"<details><summary>{v.name}</summary>", "", *lines, "", "</details>"]
+    return "\n".join(text)
 
 
 def _prompt_tables(rows: list[dict[str, Any]]) -> str:
@@ -158,7 +228,7 @@ def _merge_section(comparison: list[dict[str, Any]], figure: str | None,
         for mode in ("contiguous", "strided"):
             if mode in m and "measured_seconds" in m[mode] and "measured_seconds" in off:
                 meas.append(f"{mode}: {_delta(m[mode]['measured_seconds'], off['measured_seconds'])}")
-        row.append("; ".join(meas) if meas else "pending (NIXL backend, #5)")
+        row.append("; ".join(meas) if meas else "not measured")
         rows.append(row)
     head = ["family", "variants", "requests with a transfer",
             "descriptors, per-block plan (reference)",
@@ -175,7 +245,8 @@ def _merge_section(comparison: list[dict[str, Any]], figure: str | None,
             "checks every byte of every verified variant).", "",
             "Simulated time is the sum over requests of the transfer time (handshake excluded). "
             "Posting is charged per descriptor for `contiguous` and per run for `strided` (on "
-            "the CPU VM strided lists cut prep time but not post time, docs/semantics.md §10), so "
+            "the CPU VM strided lists cut prep time but not post time, docs/semantics.md §10), "
+            "so "
             "`strided` saves rows, registration and prep, not simulated post time, against "
             "`contiguous`.", "", table(head, rows)]
     if figure:
@@ -222,72 +293,211 @@ def _merge_section(comparison: list[dict[str, Any]], figure: str | None,
     return "\n".join(text + details)
 
 
-def page(*, title: str, command: str, variants: list[Variant], rows: list[dict[str, Any]],
-         primary: list[dict[str, Any]], caption: str, figures: dict[str, str | None],
-         crossover: dict[int, float], geometry: dict[str, Any],
-         comparison: list[dict[str, Any]], measured: bool, calibration: list[dict[str, Any]],
-         calibration_dir: str, trace_events: int, link_variant: str | None) -> str:
-    profiles = sorted({v.profile for v in variants})
-    verified = sum(v.verified for v in variants)
-    parts = [f"# {title}", "",
-             f"Generated by `{command}` on the simulated fabric (profile "
-             f"{', '.join(f'`{p}`' for p in profiles)}). Every number on this page is a pure "
-             f"function of the scenario files and their seeds: re-running the command reproduces "
-             f"it exactly (`report.json` holds the same numbers, `trace.json` every transfer).",
-             "",
-             (f"All {len(variants)} variants moved real bytes and the oracle verified every "
-              f"byte." if verified == len(variants) else
-              f"{'None' if not verified else verified} of the {len(variants)} variants "
-              f"{'was' if verified == 1 else 'were'} verified byte for byte by the oracle; the "
-              f"others ran timing-only (descriptor counts, bytes and simulated times are the "
-              f"same either way)."), "",
-             "Transfer time = from a request's first READ (pull) or WRITE (push) being "
-             "submitted to its transfer completing on decode (every READ DONE; every WRITE "
-             "notification in): handshakes are reported apart, and a request that posted "
-             "nothing (a full prefix hit: notification only) has none.", "",
-             "## Summary", "", _summary(variants, rows)]
+def _kv_state_text(geometry: dict[str, Any]) -> str:
+    """What the KV-vs-state figure shows, in this model's terms."""
+    kv = geometry.get("kv_bytes_per_token", {})
+    attention = geometry.get("attention_kind", "attention")
+    state = geometry.get("state_kind") or "recurrent"
+    replicated = len(set(kv.values())) == 1
+    kv_text = (f"{attention} KV is the same on every rank (replicated over TP)" if replicated
+               else f"{attention} KV is split over TP by KV head (replicated once TP exceeds "
+                    f"the KV heads)")
+    trend = ("so the crossover (state bytes = KV bytes) falls as 1/TP" if replicated else
+             "so the crossover (state bytes = KV bytes) moves with both")
+    return (f"Per decode rank: {kv_text}, while the {state} state (conv + recurrent) is sharded "
+            f"over TP, {trend} (docs/semantics.md §2.3). Below the crossover the state dominates "
+            f"what moves.")
+
+
+def _sizing_section(rows: list[dict[str, Any]], figure: str | None, level: str) -> list[str]:
+    if not rows:
+        return []
+    rates = sorted({r["tokens_per_second"] for r in rows})
+    cell: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = defaultdict(
+        lambda: defaultdict(list))
+    for r in rows:
+        cell[(r["mode"], r["pair"])][r["prompt_tokens"]].append(r)
+    prompts = sorted({r["prompt_tokens"] for r in rows})
+    body = []
+    limited = set()
+    for (mode, pair) in sorted(cell, key=lambda k: (k[0], _pair_sort(k[1]))):
+        row = [mode, pair]
+        for p in prompts:
+            rs = cell[(mode, pair)].get(p)
+            if not rs:
+                row.append("-")
+                continue
+            share = sum(r["transfer_share"] for r in rs) / len(rs)
+            t = sum(r["transfer"] for r in rs) / len(rs)
+            pre = sum(r["prefill_seconds"] for r in rs) / len(rs)
+            text = f"{100 * share:.0f} % ({_ms(t, 1)} / {_ms(pre, 1)})"
+            if t > pre:
+                limited.add(f"{mode} {pair}")
+                text = f"**{text}**"
+            row.append(text)
+        body.append(row)
+    out = ["", f"{level} P/D sizing: transfer share of TTFT", "",
+           f"At {', '.join(f'{x:,.0f}' for x in rates)} prompt tokens per second per prefill "
+           f"rank (`[prefill] tokens_per_second`): prefill compute = (prompt - prefix hit) / "
+           f"(rate x prefill TP), TTFT = prefill compute + the request's transfer time (queueing "
+           f"and decode's first step left out). Each cell: transfer share of TTFT (transfer ms / "
+           f"prefill ms); **bold**: the transfer takes longer than prefill, so it, not prefill, "
+           f"limits TTFT."]
+    if figure:
+        out += ["", f"![P/D sizing]({figure})"]
+    out += ["", table(["mode", "TP pair"] + [f"{p:,}" for p in prompts], body), "",
+            (f"The transfer limits TTFT somewhere for: {', '.join(sorted(limited))}."
+             if limited else "Prefill compute exceeds the transfer everywhere here.")]
+    return out
+
+
+def _input_section(section: dict[str, Any], variants: list[Variant], level: str) -> list[str]:
+    parts: list[str] = []
+    figures = section["figures"]
+    primary, caption = section["primary"], section["caption"]
+    fam_variants = [v for v in variants if v.family == section["family"]]
+    if section["others"]:
+        parts += ["", f"The figures and tables below show {caption}; this input also ran "
+                  f"{', '.join(section['others'])}: their numbers are in report.json (and in "
+                  f"requests.csv with `--csv`)."]
     if figures.get("prompt"):
-        parts += ["", "## Transfer time and descriptors vs prompt length", "",
+        parts += ["", f"{level} Transfer time and descriptors vs prompt length", "",
                   f"Showing {caption}; one line per (prefill TP, decode TP)"
                   + ("; requests run one at a time, so no two transfers of a variant share a "
                      "link." if _sequential(primary) else
                      "; a variant's requests overlap in time, so its transfers may share "
-                     "links."),
+                     "links (queueing behind other requests is not counted)."),
                   "", f"![transfer time and descriptors vs prompt length]({figures['prompt']})",
                   "", _prompt_tables(primary)]
     if figures.get("heatmap"):
-        kinds = _paths(variants)
-        parts += ["", "## P TP x D TP", "", f"![TP heatmap]({figures['heatmap']})", "",
-                  "Links crossed per pair (placement of the fabric profile: engines are packed "
-                  "onto nodes in order, so a pair that does not fit one node crosses the NIC): "
+        kinds = _paths(fam_variants)
+        parts += ["", f"{level} P TP x D TP", "", f"![TP heatmap]({figures['heatmap']})", "",
+                  "Both panels share one colour scale. Links crossed per pair (placement of the "
+                  "fabric profile: engines are packed onto nodes in order, so a pair that does "
+                  "not fit one node crosses the NIC): "
                   + ", ".join(f"{p} {k}" for p, k in sorted(kinds.items(),
                                                              key=lambda i: _pair_sort(i[0])))
                   + "."]
     if figures.get("kv_state"):
+        geometry, crossover = section["geometry"], section["crossover"]
         kv = geometry.get("kv_bytes_per_token", {})
         st = geometry.get("state_bytes_per_request", {})
         body = [[tp, f"{kv[str(tp)]:,}", f"{st[str(tp)]:,}", f"{crossover[tp]:,.0f}"]
                 for tp in sorted(crossover)]
-        parts += ["", "## Attention KV vs recurrent state", "",
-                  f"![KV vs state]({figures['kv_state']})", "",
-                  "Per decode rank: MLA KV is replicated on every rank while the KDA state is "
-                  "sharded, so the crossover (state bytes = KV bytes) falls as 1/TP "
-                  "(docs/semantics.md §2.3). Below it the state dominates what moves.", "",
-                  table(["TP", "KV bytes / token / rank", "state bytes / request / rank",
-                         "crossover (tokens)"], body)]
+        attention = geometry.get("attention_kind", "attention")
+        state = geometry.get("state_kind") or "recurrent"
+        parts += ["", f"{level} {attention} KV vs {state} state", "",
+                  f"![KV vs state]({figures['kv_state']})", "", _kv_state_text(geometry), "",
+                  table(["TP", f"{attention} KV bytes / token / rank",
+                         f"{state} state bytes / request / rank", "crossover (tokens)"], body)]
     if figures.get("breakdown"):
-        parts += ["", "## Time breakdown", "", f"![time breakdown]({figures['breakdown']})", "",
-                  "Along each request's last-completing transfer: *handshake* (lazy, first "
+        parts += ["", f"{level} Time breakdown", "", f"![time breakdown]({figures['breakdown']})",
+                  "", "Along each request's last-completing transfer: *handshake* (lazy, first "
                   "request of a pair only), *post wait* (queued behind the rank's posting "
                   "thread), *post* (launch + descriptors x per-descriptor cost), *wire* (bytes "
                   "on the shared links + path latency), *notification* (data complete -> prefill "
                   "frees in pull, decode completes in push).", "", _breakdown_table(primary)]
+    parts += _sizing_section(section["sizing"], figures.get("sizing"), level)
+    return parts
+
+
+def _axis_section(axis: dict[str, Any], figure: str | None, limit: int = 60) -> list[str]:
+    values, base = axis["values"], axis["baseline"]
+    if len(values) < 2:
+        return ["", f"## Side by side: {axis['axis']}", "",
+                f"Only one value of `{axis['axis']}` ({base}) in these inputs: nothing to "
+                f"compare."]
+    ratio = "; ".join(f"{v}: {axis['geomean_ratio'][v]:.3f}x over "
+                      f"{axis['matched_requests'][v]} requests"
+                      if axis["geomean_ratio"][v] is not None else f"{v}: no matched request"
+                      for v in values[1:])
+    body = []
+    for row in axis["rows"][:limit]:
+        cells = row["cells"]
+        b = cells.get(base, {}).get("transfer_seconds_mean")
+        line = [row["label"].replace("|", "\\|")]
+        for v in values:
+            c = cells.get(v)
+            if c is None:
+                line.append("-")
+                continue
+            t = c["transfer_seconds_mean"]
+            text = _ms(t)
+            if v != base and t is not None and b:
+                text += f" ({t / b:.2f}x)"
+            flags = [x for x in (c["outcome"] if c["outcome"] != "ok" else "",
+                                 "FAILED verification" if c["verification"] == "failed" else "",
+                                 "not verified" if c["verification"] == "timing-only" else "",
+                                 "expectation NOT met" if not c["expectation_met"] else "") if x]
+            if flags:
+                text += " — " + ", ".join(flags)
+            line.append(text)
+        body.append(line)
+    out = ["", f"## Side by side: {axis['axis']}", "",
+           f"Baseline `{axis['axis']} = {base}`. Variants are paired across the values by "
+           f"everything else that was swept ({'across inputs' if axis['axis'] == 'input' else 'within an input'}), "
+           f"requests by index; each cell is the mean transfer time (ms) of the variant's "
+           f"completed requests, with its ratio to the baseline. Geometric mean of the "
+           f"per-request ratio to the baseline: {ratio}."]
+    if figure:
+        out += ["", f"![side by side]({figure})"]
+    out += ["", table(["variant"] + [f"{axis['axis']} = {v}" for v in values], body)]
+    if len(axis["rows"]) > limit:
+        out += ["", f"The first {limit} of {len(axis['rows'])} rows; every row is in "
+                f"report.json (`comparison`)."]
+    return out
+
+
+def page(*, title: str, command: str, variants: list[Variant], rows: list[dict[str, Any]],
+         inputs: list[dict[str, Any]], figures: dict[str, str | None],
+         comparison: list[dict[str, Any]], measured: bool, calibration: list[dict[str, Any]],
+         calibration_dir: str, trace_events: int, link_variant: str | None,
+         axis: dict[str, Any] | None = None, csv: str | None = None) -> str:
+    profiles = sorted({v.profile for v in variants})
+    real = sorted({v.backend for v in variants if v.backend != "sim"})
+    unmet = [v for v in variants if not v.expectation_met]
+    where = (f"on the simulated fabric (profile {', '.join(f'`{p}`' for p in profiles)})"
+             if not real else f"from runs on the simulated fabric and on {', '.join(real)} "
+             f"(wall-clock times, which vary from run to run)")
+    parts = [f"# {title}", "",
+             f"Generated by `{command}` {where}. "
+             + ("Every number on this page is a pure function of the scenario files and their "
+                "seeds: re-running the command reproduces it exactly " if not real else "")
+             + "(`report.json` holds the same numbers, `trace.json` every transfer"
+             + (f", `{csv}` every request" if csv else "") + ").", "",
+             "**Verification.** " + _verification_sentence(variants), "",
+             "**Expectations.** " + (f"All {len(variants)} variants met their `[expect]`."
+                                     if not unmet else
+                                     f"**{len(unmet)} of the {len(variants)} variants did not "
+                                     f"meet their `[expect]`** (see Problems); `hkvsim "
+                                     f"report` exits 1."), "",
+             "Transfer time = a request's own transfer: from its first READ (pull) or WRITE "
+             "(push) starting to post to its transfer completing on decode (every READ DONE; "
+             "every WRITE notification in). Waiting for a slot, for blocks, for a handshake or "
+             "behind other requests' posts is not counted; handshakes are reported apart, and a "
+             "request that posted nothing (a full prefix hit: notification only) has none."]
+    problems = _problems(variants)
+    if problems:
+        parts += ["", problems]
+    parts += ["", "## Summary", "", _summary(variants)]
+    if axis is not None:
+        parts += _axis_section(axis, figures.get("compare"))
+    several = len(inputs) > 1
+    for section in inputs:
+        body = _input_section(section, variants, "###" if several else "##")
+        if several and body:
+            parts += ["", f"## Input `{section['family']}`"]
+        parts += body
+    if not any(section["sizing"] for section in inputs):
+        parts += ["", "P/D sizing (the transfer's share of time-to-first-token): set "
+                  "`[prefill] tokens_per_second` (prompt tokens per second per prefill rank) in "
+                  "the scenario."]
     if figures.get("links"):
         parts += ["", "## Link utilisation", "", f"![link utilisation]({figures['links']})", "",
                   f"The variant with the most flows sharing a link ({link_variant}); "
-                  f"utilisation = "
-                  f"aggregate rate / capacity of each link direction (max-min fair sharing); "
-                  f"per-link counters for every variant are in `trace.json`."]
+                  f"utilisation = aggregate rate / capacity of each link direction (max-min fair "
+                  f"sharing); links with identical curves share a panel. Per-link counters for "
+                  f"every variant are in `trace.json`."]
     merge = _merge_section(comparison, figures.get("merge"), measured)
     if merge:
         parts += ["", merge]
@@ -300,34 +510,36 @@ def page(*, title: str, command: str, variants: list[Variant], rows: list[dict[s
         for source, pts in sorted(by_source.items()):
             errors = sorted(abs(p["simulated_seconds"] - p["measured_seconds"])
                             / p["measured_seconds"] for p in pts)
-            body.append([f"`{source}`", pts[0].get("transport", "?"), len(pts),
-                         f"{100 * errors[len(errors) // 2]:.1f} %",
+            body.append([f"`{source}`", pts[0]["profile"], pts[0].get("transport", "?"),
+                         len(pts), f"{100 * errors[len(errors) // 2]:.1f} %",
                          f"{100 * errors[-1]:.1f} %"])
         parts += [f"![simulated vs measured]({figures['calibration']})", "",
-                  f"{len(calibration)} measured points from `{calibration_dir}`. Points that "
-                  f"carry their own simulated value (a calibration's fitted profile) compare "
-                  f"that fit with its measurements, not this page's fabric; saved runs of this "
-                  f"page's scenarios on a real backend are matched to its simulated requests.",
-                  "", table(["file", "transport / profile", "points", "median abs. error",
-                             "max abs. error"], body)]
+                  f"{len(calibration)} measured points from `{calibration_dir}` for the "
+                  f"profile(s) this page uses. Points that carry their own simulated value (a "
+                  f"calibration's fitted profile) compare that fit with its measurements; saved "
+                  f"runs of this page's scenarios on a real backend are matched to its simulated "
+                  f"requests.", "",
+                  table(["file", "profile", "transport / backend", "points",
+                         "median abs. error", "max abs. error"], body)]
     else:
-        parts += [f"No calibration data in `{calibration_dir}` yet (produced by `hkvsim "
-                  f"calibrate` / the NIXL backend): this section fills in when it exists "
-                  f"(saved `hkvsim run --json --requests` outputs of the same scenarios on a real "
-                  f"backend, or `{{\"points\": [{{\"label\", \"simulated_seconds\", "
-                  f"\"measured_seconds\"}}]}}`)."]
+        parts += [f"No measurements in `{calibration_dir}` for the profile(s) of this page "
+                  f"({', '.join(f'`{p}`' for p in profiles)}): a calibration tests only the "
+                  f"profile it measured (`hkvsim calibrate` fits `cpu-ucx-loopback`). This "
+                  f"section fills in with `{{\"points\": [...]}}` files named after one of "
+                  f"these profiles, or saved `hkvsim run --json --requests` outputs of the same "
+                  f"scenarios on a real backend."]
     parts += ["", "## Trace", "",
               f"`trace.json` ({trace_events:,} events, Chrome `traceEvents` format): open it in "
-              f"https://ui.perfetto.dev or chrome://tracing. One process per variant (simulated "
-              f"time from 0), a posting thread per initiating GPU, an async slice per request "
+              f"https://ui.perfetto.dev or chrome://tracing. One process per variant (its clock "
+              f"from 0), a posting thread per initiating GPU, an async slice per request "
               f"and per transfer (post wait / post / wire), and a GB/s counter per link."]
     if len(variants) <= 100:
-        body = [[v.name, v.outcome, "yes" if v.expectation_met else "NO",
-                 f"{len(v.ok_requests())}/{len(v.requests)}",
-                 "byte-exact" if v.verified and v.mismatched_bytes == 0
-                 else ("MISMATCH" if v.verified else "timing only")] for v in variants]
+        body = [[v.name, v.outcome, "yes" if v.expectation_met else "**NO**",
+                 f"{len(v.ok_requests())}/{len(v.requests)}", verification_text(v),
+                 v.corrupted if v.corrupted is not None else "unknown"] for v in variants]
         parts += ["", "<details><summary>Every variant</summary>", "",
-                  table(["variant", "outcome", "expectation met", "requests ok", "bytes"], body),
+                  table(["variant", "outcome", "expectation met", "requests ok",
+                         "verification", "corrupted requests"], body),
                   "", "</details>"]
     else:
         parts += ["", f"Every variant ({len(variants)}) with its requests: `report.json`."]

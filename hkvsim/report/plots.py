@@ -4,6 +4,7 @@ its name, or None when the data has nothing to show (e.g. a single prompt length
 
 from __future__ import annotations
 
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,8 @@ from typing import Any
 from .data import PHASES, Variant
 
 __all__ = ["primary_rows", "prompt_sweep", "tp_heatmap", "kv_vs_state", "time_breakdown",
-           "link_utilisation", "merge_comparison", "simulated_vs_measured", "crossovers"]
+           "link_utilisation", "merge_comparison", "simulated_vs_measured", "crossovers",
+           "axis_comparison", "sizing", "figure_name"]
 
 _DPI = 110
 _PHASE_COLORS = {"handshake": "#9e9e9e", "post wait": "#f4b183", "post": "#c55a11",
@@ -37,38 +39,78 @@ def _save(fig: Any, out: Path, name: str) -> str:
     return name
 
 
+def figure_name(stem: str, suffix: str = "") -> str:
+    """``stem.png``, or ``stem-<suffix>.png`` for one input of several (a file-name-safe
+    suffix)."""
+    if not suffix:
+        return f"{stem}.png"
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in suffix).strip("-")
+    return f"{stem}-{safe}.png"
+
+
+def _coincident(series: dict[Any, list[float]], *, relative: float = 0.05,
+                absolute: float = 0.0) -> list[tuple[list[Any], list[float]]]:
+    """Series that would be drawn on top of each other (every point within ``relative`` of
+    the first series' point, or within ``absolute``) drawn once: [(keys, values)] in first-seen
+    order, so every legend entry names a line that can be seen."""
+    groups: list[tuple[list[Any], list[float]]] = []
+    for key, ys in series.items():
+        for keys, ref in groups:
+            if len(ref) == len(ys) and all(abs(a - b) <= max(absolute, relative * max(abs(a),
+                                                                                     abs(b)))
+                                           for a, b in zip(ref, ys)):
+                keys.append(key)
+                break
+        else:
+            groups.append(([key], ys))
+    return groups
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def _plain_log_axes(ax: Any) -> None:
+    """Log axes labelled with plain numbers at the major ticks only (no overlapping minor
+    labels)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
+
+
 def _pair_key(row: dict[str, Any]) -> tuple[int, int]:
     return (row["prefill_tp"] or 0, row["decode_tp"] or 0)
 
 
 def primary_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
-    """The rows the sweep figures show: descriptor_merge "off" when present (the reference
-    plan), then the (input, model) covering the most TP pairs (then the most requests), and a
-    caption saying so."""
+    """The rows a set of sweep figures shows: descriptor_merge "off" when present (the reference
+    plan), then the model covering the most TP pairs (then the most requests), and a caption
+    saying so. Called once per input, so several inputs each get their figures."""
     if not rows:
         return [], ""
     merges = {r["merge"] for r in rows}
     merge = "off" if "off" in merges else sorted(merges)[0]
-    counts: dict[tuple[str, str], int] = defaultdict(int)
-    pairs: dict[tuple[str, str], set] = defaultdict(set)
+    counts: dict[str, int] = defaultdict(int)
+    pairs: dict[str, set] = defaultdict(set)
     for r in rows:
         if r["merge"] == merge:
-            counts[(r["family"], r["model"])] += 1
-            pairs[(r["family"], r["model"])].add((r["prefill_tp"], r["decode_tp"]))
-    family, model = max(sorted(counts), key=lambda k: (len(pairs[k]), counts[k]))
-    chosen = [r for r in rows if r["merge"] == merge and r["family"] == family
-              and r["model"] == model]
-    families = {r["family"] for r in rows}
-    where = f"{family}: " if len(families) > 1 else ""
-    return chosen, f"{where}{model}, descriptor_merge = {merge}"
+            counts[r["model"]] += 1
+            pairs[r["model"]].add((r["prefill_tp"], r["decode_tp"]))
+    model = max(sorted(counts), key=lambda k: (len(pairs[k]), counts[k]))
+    chosen = [r for r in rows if r["merge"] == merge and r["model"] == model]
+    return chosen, f"{rows[0]['family']}: {model}, descriptor_merge = {merge}"
 
 
 def _modes(rows: list[dict[str, Any]]) -> list[str]:
     return [m for m in ("pull", "push") if any(r["mode"] == m for r in rows)]
 
 
-def prompt_sweep(rows: list[dict[str, Any]], out: Path, caption: str) -> str | None:
-    """Transfer time and descriptors vs prompt length, one line per TP pair, per mode."""
+def prompt_sweep(rows: list[dict[str, Any]], out: Path, caption: str,
+                 name: str = "transfer-vs-prompt.png") -> str | None:
+    """Transfer time and descriptors vs prompt length, one line per TP pair, per mode. Each
+    panel has its own legend; pairs whose lines coincide are drawn once and named together."""
     modes = _modes(rows)
     series: dict[tuple[str, tuple[int, int]], dict[int, list[dict[str, Any]]]] = defaultdict(
         lambda: defaultdict(list))
@@ -78,34 +120,43 @@ def prompt_sweep(rows: list[dict[str, Any]], out: Path, caption: str) -> str | N
     if not any(len(points) >= 2 for points in series.values()):
         return None
     plt = _plt()
-    fig, axes = plt.subplots(len(modes), 2, figsize=(11, 3.6 * len(modes)), squeeze=False)
+    fig, axes = plt.subplots(len(modes), 2, figsize=(13, 3.9 * len(modes)), squeeze=False)
     pairs = sorted({p for _, p in series})
     cmap = plt.get_cmap("tab20", max(len(pairs), 1))
     for i, mode in enumerate(modes):
         ax_t, ax_d = axes[i]
-        for j, pair in enumerate(pairs):
-            points = series.get((mode, pair))
-            if not points or len(points) < 2:
-                continue
-            xs = sorted(points)
-            t = [1e3 * sum(r["transfer"] for r in points[x]) / len(points[x]) for x in xs]
-            d = [sum(r["descriptors"] for r in points[x]) / len(points[x]) for x in xs]
-            style = dict(color=cmap(j), marker="o", ms=3, lw=1.2,
-                         ls="-" if pair[0] <= pair[1] else "--", label=f"P{pair[0]}->D{pair[1]}")
-            ax_t.plot(xs, t, **style)
-            ax_d.plot(xs, d, **style)
-        for ax, what in ((ax_t, "transfer time (ms)"), (ax_d, "descriptors per request")):
+        drawn = {pair: series[(mode, pair)] for pair in pairs
+                 if len(series.get((mode, pair), {})) >= 2}
+        xs = {pair: sorted(points) for pair, points in drawn.items()}
+        for ax, what, value in (
+                (ax_t, "transfer time (ms)", lambda rs: 1e3 * sum(r["transfer"] for r in rs)),
+                (ax_d, "descriptors per request", lambda rs: sum(r["descriptors"] for r in rs))):
+            per_pair = {pair: [value(points[x]) / len(points[x]) for x in xs[pair]]
+                        for pair, points in drawn.items()}
+            by_x: dict[tuple, dict[tuple[int, int], list[float]]] = defaultdict(dict)
+            for pair, ys in per_pair.items():
+                by_x[tuple(xs[pair])][pair] = ys
+            dashed = merged = False
+            for x, group in by_x.items():
+                for keys, ys in _coincident(group):
+                    first = keys[0]
+                    style = "-" if first[0] <= first[1] else "--"
+                    dashed |= style == "--"
+                    merged |= len(keys) > 1
+                    ax.plot(list(x), ys, color=cmap(pairs.index(first)), marker="o", ms=3,
+                            lw=1.2, ls=style, label=textwrap.fill(
+                                ", ".join(f"P{p}->D{d}" for p, d in keys), 44))
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("prompt tokens")
             ax.set_ylabel(what)
             ax.set_title(f"{mode}: {what}")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
-               title="TP pair (dashed: P TP > D TP)")
+            ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.0, 0.5),
+                      title="TP pair" + (" (dashed: P TP > D TP)" if dashed else "")
+                      + ("\npairs within 5 %: one line" if merged else ""), title_fontsize=7)
     fig.suptitle(f"Transfer time and descriptors vs prompt length ({caption})")
     fig.tight_layout()
-    return _save(fig, out, "transfer-vs-prompt.png")
+    return _save(fig, out, name)
 
 
 def heatmap_prompt(rows: list[dict[str, Any]]) -> int | None:
@@ -120,8 +171,10 @@ def heatmap_prompt(rows: list[dict[str, Any]]) -> int | None:
     return max(common) if common else None
 
 
-def tp_heatmap(rows: list[dict[str, Any]], out: Path, caption: str) -> str | None:
-    """P TP x D TP heatmap of the transfer time at one prompt length, per mode."""
+def tp_heatmap(rows: list[dict[str, Any]], out: Path, caption: str,
+               name: str = "tp-heatmap.png") -> str | None:
+    """P TP x D TP heatmap of the transfer time at one prompt length, per mode, on one colour
+    scale shared by the panels (one colour bar)."""
     prompt = heatmap_prompt(rows)
     if prompt is None:
         return None
@@ -130,31 +183,41 @@ def tp_heatmap(rows: list[dict[str, Any]], out: Path, caption: str) -> str | Non
     d_tps = sorted({r["decode_tp"] for r in rows})
     plt = _plt()
     import numpy as np
+    from matplotlib.colors import Normalize
 
-    fig, axes = plt.subplots(1, len(modes), figsize=(4.6 * len(modes), 3.9), squeeze=False)
-    for ax, mode in zip(axes[0], modes):
+    grids = {}
+    for mode in modes:
         grid = np.full((len(p_tps), len(d_tps)), np.nan)
         for r in rows:
             if r["mode"] == mode and r["prompt_tokens"] == prompt and r["hit_tokens"] == 0:
                 i, j = p_tps.index(r["prefill_tp"]), d_tps.index(r["decode_tp"])
                 grid[i, j] = 1e3 * r["transfer"] if np.isnan(grid[i, j]) else min(
                     grid[i, j], 1e3 * r["transfer"])
-        im = ax.imshow(grid, cmap="viridis_r", origin="lower", aspect="auto")
+        grids[mode] = grid
+    every = np.concatenate([g[~np.isnan(g)] for g in grids.values()])
+    norm = Normalize(vmin=float(every.min()), vmax=float(every.max()))
+    middle = float(every.mean())
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.4 * len(modes) + 1.2, 3.9),
+                             squeeze=False)
+    im = None
+    for ax, mode in zip(axes[0], modes):
+        grid = grids[mode]
+        im = ax.imshow(grid, cmap="viridis_r", norm=norm, origin="lower", aspect="auto")
         for i in range(len(p_tps)):
             for j in range(len(d_tps)):
                 if not np.isnan(grid[i, j]):
                     ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize=8,
-                            color="white" if grid[i, j] > np.nanmean(grid) else "black")
+                            color="white" if grid[i, j] > middle else "black")
         ax.set_xticks(range(len(d_tps)), [str(t) for t in d_tps])
         ax.set_yticks(range(len(p_tps)), [str(t) for t in p_tps])
         ax.set_xlabel("decode TP")
         ax.set_ylabel("prefill TP")
         ax.set_title(f"{mode}: transfer time (ms), {prompt:,} tokens")
         ax.grid(False)
-        fig.colorbar(im, ax=ax, shrink=0.85)
     fig.suptitle(f"P TP x D TP ({caption})")
     fig.tight_layout()
-    return _save(fig, out, "tp-heatmap.png")
+    fig.colorbar(im, ax=list(axes[0]), shrink=0.85, label="transfer time (ms), all panels")
+    return _save(fig, out, name)
 
 
 def crossovers(geometry: dict[str, Any]) -> dict[int, float]:
@@ -165,9 +228,9 @@ def crossovers(geometry: dict[str, Any]) -> dict[int, float]:
 
 
 def kv_vs_state(variants: list[Variant], rows: list[dict[str, Any]], out: Path,
-                caption: str) -> str | None:
+                caption: str, name: str = "kv-vs-state.png") -> str | None:
     """Bytes of attention KV vs recurrent state per decode rank, with the crossover marked
-    (DOMAIN.md §2.3: 5,384 tokens at TP1 for KimiLinear)."""
+    (5,384 tokens at TP1 for Kimi-Linear-48B)."""
     model = rows[0]["model"] if rows else None
     geometry = next((v.geometry for v in variants if v.model == model and v.geometry), {})
     if not geometry.get("is_hybrid"):
@@ -185,22 +248,29 @@ def kv_vs_state(variants: list[Variant], rows: list[dict[str, Any]], out: Path,
     cmap = plt.get_cmap("tab10")
     kv = geometry["kv_bytes_per_token"]
     state = geometry["state_bytes_per_request"]
-    replicated = len({kv[str(tp)] for tp in cross}) == 1
-    if replicated:
-        tp0 = min(cross)
-        ax.plot(x, x * kv[str(tp0)], color="black", lw=1.6,
-                label=f"attention KV per rank ({kv[str(tp0)]:,} B/token at every TP)")
+    attention = geometry.get("attention_kind", "attention")
+    state_kind = geometry.get("state_kind") or "recurrent"
+    # one line per distinct KV size (TPs that replicate the KV share one), one state line per TP
+    by_size: dict[int, list[int]] = defaultdict(list)
+    for tp in sorted(cross):
+        by_size[kv[str(tp)]].append(tp)
+    every_tp = len(by_size) == 1
+    for k, (size, tps) in enumerate(sorted(by_size.items(), reverse=True)):
+        which = "at every TP" if every_tp else "TP" + "/".join(str(t) for t in tps)
+        ax.plot(x, x * size, color="black", lw=1.6, ls=("-", "-.", ":", (0, (5, 1)))[k % 4],
+                label=f"{attention} KV per rank, {which} ({size:,} B/token)")
     for k, tp in enumerate(sorted(cross)):
         color = cmap(k)
-        if not replicated:
-            ax.plot(x, x * kv[str(tp)], color=color, lw=1.6,
-                    label=f"attention KV per rank, TP{tp} ({kv[str(tp)]:,} B/token)")
         ax.axhline(state[str(tp)], color=color, lw=1.2, ls="--",
-                   label=f"recurrent + conv state per rank, TP{tp}: {state[str(tp)] / 2**20:.1f} "
-                         f"MiB")
-        ax.axvline(cross[tp], color=color, lw=0.8, ls=":")
+                   label=f"{state_kind} state (conv + recurrent) per rank, TP{tp}: "
+                         f"{_size(state[str(tp)])}")
         ax.annotate(f"{cross[tp]:,.0f}", (cross[tp], state[str(tp)]), textcoords="offset points",
                     xytext=(4, -12), fontsize=8, color=color)
+    at: dict[float, list[int]] = defaultdict(list)  # TPs whose crossovers fall together
+    for tp in sorted(cross):
+        at[round(cross[tp], 6)].append(tp)
+    for tokens, tps in at.items():
+        ax.axvline(tokens, color=cmap(sorted(cross).index(tps[0])), lw=0.8, ls=":")
     pull = [r for r in rows if r["mode"] == "pull" and r["hit_tokens"] == 0]
     if pull:
         ax.scatter([r["prompt_tokens"] for r in pull],
@@ -210,10 +280,11 @@ def kv_vs_state(variants: list[Variant], rows: list[dict[str, Any]], out: Path,
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("bytes per decode rank")
-    ax.set_title(f"Attention KV vs recurrent state; dotted: crossover tokens by TP ({caption})")
+    ax.set_title(f"{attention} KV vs {state_kind} state; dotted: crossover tokens by TP "
+                 f"({caption})")
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    return _save(fig, out, "kv-vs-state.png")
+    return _save(fig, out, name)
 
 
 def _cold_warm(rows: list[dict[str, Any]]) -> dict[str, dict[tuple[int, int], tuple]]:
@@ -232,7 +303,8 @@ def _cold_warm(rows: list[dict[str, Any]]) -> dict[str, dict[tuple[int, int], tu
     return out
 
 
-def time_breakdown(rows: list[dict[str, Any]], out: Path, caption: str) -> str | None:
+def time_breakdown(rows: list[dict[str, Any]], out: Path, caption: str,
+                   name: str = "time-breakdown.png") -> str | None:
     """Stacked phases per TP pair: the cold first request (with the handshake) and the mean of
     the warm ones."""
     table = _cold_warm(rows)
@@ -260,12 +332,29 @@ def time_breakdown(rows: list[dict[str, Any]], out: Path, caption: str) -> str |
             ax.set_xlabel("ms")
             ax.set_title(f"{mode} - {title}")
             ax.invert_yaxis()
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(PHASES),
-               bbox_to_anchor=(0.5, 1.02))
-    fig.suptitle(f"Time breakdown per request ({caption})", y=1.06)
+    # a phase too short to show as a bar anywhere says so in the legend, with its size
+    from matplotlib.patches import Patch
+
+    largest = {phase: max((1e3 * (table[m][p][w] or {}).get(phase, 0.0) for m in modes
+                           for p in table[m] for w in (0, 1)), default=0.0) for phase in PHASES}
+    # visible: at least 0.5 % of the width of some panel it is drawn in
+    visible = {phase: any(1e3 * (table[m][p][w] or {}).get(phase, 0.0)
+                          >= 0.005 * axes[i][w].get_xlim()[1]
+                          for i, m in enumerate(modes) for p in table[m] for w in (0, 1))
+               for phase in PHASES}
+    handles = []
+    for phase in PHASES:
+        label = phase
+        if largest[phase] == 0.0:
+            label += " (zero in every request)"
+        elif not visible[phase]:
+            label += f" (too short to see: at most {largest[phase]:.3g} ms)"
+        handles.append(Patch(color=_PHASE_COLORS[phase], label=label))
+    fig.legend(handles=handles, loc="upper center", ncol=3, bbox_to_anchor=(0.5, 1.03),
+               fontsize=8)
+    fig.suptitle(f"Time breakdown per request ({caption})", y=1.07)
     fig.tight_layout()
-    return _save(fig, out, "time-breakdown.png")
+    return _save(fig, out, name)
 
 
 def busiest(variants: list[Variant]) -> Variant | None:
@@ -277,37 +366,58 @@ def busiest(variants: list[Variant]) -> Variant | None:
                                           sum(r["nbytes"] for r in v.requests), v.name))
 
 
+def _utilisation_steps(segments: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    xs: list[float] = []
+    ys: list[float] = []
+    for seg in sorted(segments, key=lambda x: x["t_start"]):
+        if xs and 1e3 * seg["t_start"] > xs[-1]:  # idle gap
+            xs += [xs[-1], 1e3 * seg["t_start"]]
+            ys += [0.0, 0.0]
+        xs += [1e3 * seg["t_start"], 1e3 * seg["t_end"]]
+        ys += [seg["rate"] / seg["capacity"]] * 2
+    return xs, ys
+
+
 def link_utilisation(variants: list[Variant], out: Path, *, top: int = 8) -> str | None:
     """Utilisation (rate / capacity) over simulated time of the busiest links of the variant
-    with the most link sharing (then the most bytes)."""
+    with the most link sharing (then the most bytes): one panel per distinct curve, links with
+    identical curves (e.g. every prefill NIC of a fan-in) named together in one panel, so every
+    series listed is one that can be seen."""
     v = busiest(variants)
     if v is None:
         return None
     moved: dict[str, float] = defaultdict(float)
-    for s in v.link_segments:
-        moved[s["link"]] += s["rate"] * (s["t_end"] - s["t_start"])
+    by_link: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for seg in v.link_segments:
+        moved[seg["link"]] += seg["rate"] * (seg["t_end"] - seg["t_start"])
+        by_link[seg["link"]].append(seg)
     links = sorted(moved, key=lambda k: (-moved[k], k))[:top]
+    curves: dict[tuple, list[str]] = {}
+    steps: dict[tuple, tuple[list[float], list[float]]] = {}
+    for link in links:
+        xs, ys = _utilisation_steps(by_link[link])
+        sig = (tuple(round(x, 6) for x in xs), tuple(round(y, 4) for y in ys))
+        curves.setdefault(sig, []).append(link)
+        steps.setdefault(sig, (xs, ys))
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(11, 4.2))
+    fig, axes = plt.subplots(len(curves), 1, figsize=(11, 1.5 * len(curves) + 1.2),
+                             sharex=True, squeeze=False)
     cmap = plt.get_cmap("tab10")
-    for k, link in enumerate(links):
-        segs = sorted((s for s in v.link_segments if s["link"] == link),
-                      key=lambda s: s["t_start"])
-        xs: list[float] = []
-        ys: list[float] = []
-        for s in segs:
-            if xs and 1e3 * s["t_start"] > xs[-1]:  # idle gap
-                xs += [xs[-1], 1e3 * s["t_start"]]
-                ys += [0.0, 0.0]
-            xs += [1e3 * s["t_start"], 1e3 * s["t_end"]]
-            ys += [s["rate"] / s["capacity"]] * 2
-        ax.plot(xs, ys, color=cmap(k % 10), lw=1.0,
-                label=f"{link} ({moved[link] / 1e9:.2f} GB)")
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("simulated time (ms)")
-    ax.set_ylabel("utilisation")
-    ax.set_title(f"Link utilisation: {v.name}")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    for k, (sig, names) in enumerate(curves.items()):
+        ax = axes[k][0]
+        xs, ys = steps[sig]
+        label = ", ".join(names) if len(names) <= 3 else f"{names[0]} and {len(names) - 1} more " \
+            f"links with the same curve"
+        ax.plot(xs, ys, color=cmap(k % 10), lw=1.0)
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("util.")
+        each = moved[names[0]]
+        amount = f"{each / 1e9:.2f} GB" if each >= 1e8 else f"{each / 1e6:.2f} MB"
+        ax.set_title(f"{label} ({amount}{' each' if len(names) > 1 else ''})", fontsize=8,
+                     loc="left")
+    axes[-1][0].set_xlabel(f"{'simulated' if v.clock == 'simulated' else 'wall-clock'} time (ms)")
+    fig.suptitle(textwrap.fill(f"Link utilisation (rate / capacity): {v.name}", 130),
+                 fontsize=9)
     fig.tight_layout()
     return _save(fig, out, "link-utilisation.png")
 
@@ -365,7 +475,74 @@ def simulated_vs_measured(points: list[dict[str, Any]], out: Path) -> str | None
     ax.set_yscale("log")
     ax.set_xlabel("simulated transfer time (ms)")
     ax.set_ylabel("measured transfer time (ms)")
-    ax.set_title("Simulated vs measured")
+    profiles = ", ".join(sorted({p.get("profile", "?") for p in pts}))
+    ax.set_title(f"Simulated vs measured (profile {profiles})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, out, "simulated-vs-measured.png")
+
+
+def axis_comparison(comparison: dict[str, Any], out: Path) -> str | None:
+    """Per request, transfer time with each compared value against the baseline's (log-log,
+    with y = x): points above the line are slower than the baseline."""
+    pairs = {k: v for k, v in comparison["pairs"].items() if v}
+    if not pairs:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.2, 5.4))
+    every = []
+    for k, (value, pts) in enumerate(pairs.items()):
+        xs = [1e3 * a for a, _ in pts]
+        ys = [1e3 * b for _, b in pts]
+        every += xs + ys
+        ax.scatter(xs, ys, s=12, color=plt.get_cmap("tab10")(k % 10), label=f"{value} "
+                   f"({len(pts)} requests)")
+    lo, hi = min(every) * 0.8, max(every) * 1.25
+    ax.plot([lo, hi], [lo, hi], color="0.4", lw=1, ls="--", label="same time as baseline")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _plain_log_axes(ax)
+    ax.set_xlabel(f"transfer time (ms), {comparison['axis']} = {comparison['baseline']}")
+    ax.set_ylabel("transfer time (ms), compared value")
+    ax.set_title(f"{comparison['axis']}: each value vs {comparison['baseline']}, per request")
+    ax.legend(fontsize=8, title=comparison["axis"], title_fontsize=8)
+    fig.tight_layout()
+    return _save(fig, out, "compare.png")
+
+
+def sizing(rows: list[dict[str, Any]], out: Path, caption: str,
+           name: str = "pd-sizing.png") -> str | None:
+    """Transfer share of TTFT (prefill compute + transfer) vs prompt length, one line per TP
+    pair and mode; above 50 % the transfer, not prefill, limits TTFT."""
+    series: dict[tuple[str, tuple[int, int]], dict[int, list[float]]] = defaultdict(
+        lambda: defaultdict(list))
+    for r in rows:
+        series[(r["mode"], _pair_key(r))][r["prompt_tokens"]].append(r["transfer_share"])
+    series = {k: v for k, v in series.items() if len(v) >= 2}
+    if not series:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 4.6))
+    keys = sorted(series)
+    cmap = plt.get_cmap("tab20", max(len(keys), 1))
+    curves: dict[tuple, dict[tuple[str, tuple[int, int]], list[float]]] = defaultdict(dict)
+    for key in keys:
+        xs = tuple(sorted(series[key]))
+        curves[xs][key] = [100 * sum(series[key][x]) / len(series[key][x]) for x in xs]
+    for xs, group in curves.items():
+        for members, ys in _coincident(group, relative=0.0, absolute=0.5):
+            first = members[0]
+            ax.plot(list(xs), ys, marker="o", ms=3, lw=1.2, color=cmap(keys.index(first)),
+                    ls="-" if first[0] == "pull" else "--",
+                    label=", ".join(f"{m} P{p}->D{d}" for m, (p, d) in members))
+    ax.axhline(50, color="0.3", lw=1, ls=":", label="transfer = prefill compute")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("transfer share of TTFT (%)")
+    rates = sorted({r["tokens_per_second"] for r in rows})
+    ax.set_title(f"P/D sizing at {', '.join(f'{x:,.0f}' for x in rates)} prompt tokens/s per "
+                 f"prefill rank ({caption})", fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    return _save(fig, out, name)

@@ -6,12 +6,13 @@ Layout: one process per scenario variant (its simulated clock starts at 0), and 
 * thread "requests": one async slice per request (arrival -> done) with its handshake and its
   transfer window nested inside;
 * one thread per initiating GPU endpoint ("n1g3 posting"): the posting intervals, which never
-  overlap because a rank posts serially (DOMAIN.md §10 cost model);
+  overlap because a rank posts serially (the cost model of hkvsim.fabric);
 * one async slice per transfer (submitted -> data complete; its args give the post wait, post
   and wire times);
 * counter tracks per link: the aggregate rate in GB/s (from ``RunResult.link_segments``).
 
-Timestamps are simulated microseconds; the file is a pure function of the run (no wall clock).
+Timestamps are microseconds of the variant's clock: simulated for the simulator (the file is
+then a pure function of the run), wall-clock for a saved real-backend run.
 """
 
 from __future__ import annotations
@@ -121,5 +122,9 @@ def trace_events(variants: list[Variant]) -> list[dict[str, Any]]:
 
 
 def trace_document(variants: list[Variant]) -> dict[str, Any]:
+    clocks = sorted({v.clock for v in variants})
+    clock = ("simulated seconds x 1e6" if clocks == ["simulated"] else
+             "seconds x 1e6 of each variant's own clock (simulated on the simulator, wall on a "
+             "real backend)")
     return {"traceEvents": trace_events(variants), "displayTimeUnit": "ms",
-            "otherData": {"generator": "hkvsim report", "clock": "simulated seconds x 1e6"}}
+            "otherData": {"generator": "hkvsim report", "clock": clock}}

@@ -170,7 +170,7 @@ factor = 4.0
         run_scenario_nixl(_one(text))
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_cli_run_json(tmp_path) -> None:
     path = tmp_path / "s.toml"
     path.write_text(KIMI.format(mode="pull", p=2, d=1))
@@ -184,6 +184,13 @@ def test_cli_run_json(tmp_path) -> None:
         text=True, cwd=ROOT, timeout=60).stdout)
     assert set(nixl) == set(sim)
     assert nixl["outcome"] == "ok" and nixl["requests"]["bytes"] == sim["requests"]["bytes"]
+    # the times say which clock they are on
+    assert (nixl["backend"], nixl["time"]["clock"]) == ("nixl", "wall")
+    assert (sim["backend"], sim["time"]["clock"]) == ("sim", "simulated")
+    assert nixl["verified"] is True and nixl["requests"]["byte_exact"] == 3
+    text = subprocess.run([sys.executable, "-m", "hkvsim.cli", "run", str(path), "--backend",
+                           "nixl"], capture_output=True, text=True, cwd=ROOT, timeout=80).stdout
+    assert "s (wall clock)" in text and "simulated" not in text
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,201 @@
+"""The report's figures draw what their legends name: no legend entry for a line hidden under
+another, no "dashed" without a dashed line, one colour scale across heatmap panels, every link
+of the utilisation plot visible; and the transfer time they plot is the transfer's own span."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hkvsim.cluster import run_scenario
+from hkvsim.report import build, plots
+from hkvsim.report.data import request_rows, variant_from_result
+from hkvsim.scenario import parse_scenarios
+
+pytestmark = pytest.mark.timeout(120)
+
+SWEEP = """
+[scenario]
+name = "figures"
+seed = 3
+[model]
+preset = "{model}"
+[workload]
+requests = 3
+prompt_tokens = [300, 1200, 2500]
+max_inflight = 1
+[sweep]
+connector.mode = ["pull", "push"]
+prefill.tp = [1, 2]
+decode.tp = [2, 4]
+"""
+# a fan-in: four prefill ranks write to one decode rank, over links with identical curves
+FAN_IN = """
+[scenario]
+name = "fan-in"
+[model]
+preset = "tiny-kimi-linear"
+[prefill]
+tp = 4
+[decode]
+tp = 1
+[connector]
+mode = "push"
+[workload]
+requests = 2
+prompt_tokens = 2500
+"""
+
+
+def _variants(text: str, family: str) -> list[Any]:
+    scenarios = parse_scenarios(text)
+    return [variant_from_result(run_scenario(s, timing_only=True), family=family,
+                                position=(i, len(scenarios)))
+            for i, s in enumerate(scenarios)]
+
+
+@pytest.fixture(scope="module")
+def qwen() -> list[Any]:
+    # GQA with 2 KV heads: the KV per rank is the same at TP 2, 4 and 8
+    return _variants(SWEEP.format(model="tiny-qwen3-next"), "qwen")
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The matplotlib figures a report would save, by file name (kept open for inspection)."""
+    figures: dict[str, Any] = {}
+
+    def keep(fig: Any, out: Path, name: str) -> str:
+        figures[name] = fig
+        return name
+
+    monkeypatch.setattr(plots, "_save", keep)
+    yield figures
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def _check_legends_match_what_is_drawn(fig: Any) -> None:
+    from matplotlib.lines import Line2D
+
+    for ax in fig.axes:
+        lines = [ln for ln in ax.get_lines() if ln.get_visible() and len(ln.get_xdata())]
+        seen = set()
+        for ln in lines:  # a line exactly on top of another is hidden
+            key = tuple(f"{float(v):.6g}" for v in (*ln.get_xdata(), *ln.get_ydata()))
+            assert key not in seen, f"{ax.get_title()}: {ln.get_label()} hides another line"
+            seen.add(key)
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        labels = {ln.get_label() for ln in lines} | {c.get_label() for c in ax.collections}
+        for text in legend.get_texts():
+            assert text.get_text() in labels, f"legend names {text.get_text()!r}, not drawn"
+        title = legend.get_title().get_text()
+        if "dashed" in title:
+            assert any(isinstance(ln, Line2D) and ln.get_linestyle() == "--" for ln in lines)
+
+
+def test_prompt_sweep_legends_name_visible_lines_only(qwen, drawn, tmp_path) -> None:
+    build.write_report(qwen, tmp_path, title="t", command="c",
+                       calibration_dir=tmp_path / "none")
+    fig = drawn["transfer-vs-prompt.png"]
+    _check_legends_match_what_is_drawn(fig)
+    titles = [ax.get_legend().get_title().get_text() for ax in fig.axes if ax.get_legend()]
+    assert titles and not any("dashed" in t for t in titles)  # every pair has P TP <= D TP
+    # pairs with the same descriptor counts are one line naming both
+    labels = [t.get_text() for ax in fig.axes if ax.get_legend()
+              for t in ax.get_legend().get_texts()]
+    assert any("," in label for label in labels)
+
+
+def test_kv_vs_state_draws_one_line_per_distinct_kv_size(qwen, drawn, tmp_path) -> None:
+    build.write_report(qwen, tmp_path, title="t", command="c",
+                       calibration_dir=tmp_path / "none")
+    fig = drawn["kv-vs-state.png"]
+    _check_legends_match_what_is_drawn(fig)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any("GQA KV per rank, TP2/4/8" in label for label in labels)
+    assert all("MLA" not in label and "KDA" not in label for label in labels)
+    assert any("GDN state" in label for label in labels)
+
+
+def test_heatmap_panels_share_one_colour_scale(qwen, drawn, tmp_path) -> None:
+    build.write_report(qwen, tmp_path, title="t", command="c",
+                       calibration_dir=tmp_path / "none")
+    fig = drawn["tp-heatmap.png"]
+    images = [im for ax in fig.axes for im in ax.images]
+    assert len(images) == 2  # pull and push
+    assert len({(im.norm.vmin, im.norm.vmax) for im in images}) == 1
+    values = [v for im in images for v in im.get_array().compressed()]
+    assert images[0].norm.vmin == min(values) and images[0].norm.vmax == max(values)
+    colour_bars = [ax for ax in fig.axes if not ax.images and ax.get_ylabel().startswith(
+        "transfer time")]
+    assert len(colour_bars) == 1
+
+
+# production geometry: posting ~8 ms, the notification ~12 us
+KIMI = """
+[scenario]
+name = "kimi"
+[model]
+preset = "kimi-linear-48b"
+[workload]
+requests = 3
+prompt_tokens = [4096, 8192, 16384]
+max_inflight = 1
+[sweep]
+decode.tp = [1, 2]
+"""
+
+
+@pytest.mark.parametrize("case", ["qwen", "kimi"])
+def test_time_breakdown_legend_says_when_a_phase_is_too_short_to_see(case, qwen, drawn,
+                                                                     tmp_path) -> None:
+    variants = qwen if case == "qwen" else _variants(KIMI, "kimi")
+    build.write_report(variants, tmp_path, title="t", command="c",
+                       calibration_dir=tmp_path / "none")
+    fig = drawn["time-breakdown.png"]
+    (legend,) = fig.legends
+    for text in legend.get_texts():
+        phase = text.get_text().split(" (")[0]
+        # a bar is visible when it is at least 0.5 % of its panel's width
+        seen = [p.get_width() >= 0.005 * ax.get_xlim()[1] for ax in fig.axes
+                for c in ax.containers if c.get_label() == phase for p in c.patches]
+        hidden = "too short to see" in text.get_text() or "zero" in text.get_text()
+        assert hidden == (not any(seen)), text.get_text()
+
+
+def test_link_utilisation_shows_every_link_it_names(drawn, tmp_path) -> None:
+    variants = _variants(FAN_IN, "fan-in")
+    build.write_report(variants, tmp_path, title="t", command="c",
+                       calibration_dir=tmp_path / "none")
+    fig = drawn["link-utilisation.png"]
+    _check_legends_match_what_is_drawn(fig)
+    panels = [ax for ax in fig.axes if ax.get_lines()]
+    assert all(len(ax.get_lines()) == 1 for ax in panels)
+    named = " ".join(ax.get_title(loc="left") for ax in panels)
+    assert "more links with the same curve" in named or named.count(",") >= 1
+    assert len(panels) < 8  # the four prefill links share one panel
+
+
+def test_transfer_time_is_the_transfer_own_span() -> None:
+    """A short request queued behind a long one on the same rank is not slower than it."""
+    body = """
+[scenario]
+name = "queued"
+[model]
+preset = "tiny-kimi-linear"
+[workload]
+requests = 2
+prompt_tokens = [4000, 300]
+"""
+    (scenario,) = parse_scenarios(body)
+    variant = variant_from_result(run_scenario(scenario), family="q")
+    rows = {r["prompt_tokens"]: r for r in request_rows([variant])}
+    assert rows[300]["transfer"] < rows[4000]["transfer"]
+    # and the queueing it left out is still reported, as post wait
+    assert rows[300]["breakdown"]["post wait"] > 0
