@@ -27,16 +27,14 @@ def golden_path(scenario_file: Path) -> Path:
 
 
 def _portable(data: Any) -> Any:
-    """Scenario sources as paths relative to the repository (checkouts live anywhere)."""
+    """Paths relative to the repository wherever they appear (sources, warnings, messages):
+    checkouts live anywhere, and CI's is not this one."""
     if isinstance(data, dict):
-        out = {}
-        for k, v in data.items():
-            if k == "source" and isinstance(v, str) and v.startswith(str(ROOT)):
-                v = str(Path(v).relative_to(ROOT))
-            out[k] = _portable(v)
-        return out
+        return {k: _portable(v) for k, v in data.items()}
     if isinstance(data, list):
         return [_portable(v) for v in data]
+    if isinstance(data, str) and str(ROOT) in data:
+        return data.replace(str(ROOT) + "/", "").replace(str(ROOT), ".")
     return data
 
 

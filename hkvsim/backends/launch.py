@@ -8,8 +8,9 @@ starts them with multiprocessing *spawn* -- the same entry point, :func:`hkvsim.
 rank_entry`, that a single-node run uses. The node agent watches its children and reports one
 that dies (exit status and log tail) to the coordinator, which fails the run with that reason.
 
-Every connection proves itself with a shared token (``HKVSIM_TOKEN``), compared in constant
-time; every wait has a deadline.
+A node agent proves itself with a shared token (``HKVSIM_TOKEN``), compared in constant time;
+the coordinator hands it one one-time credential per rank, which the rank's HELLO carries.
+Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -70,11 +71,11 @@ def run_node(host: str, port: int, token: str, *, node: int, slots: int, log_dir
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     ctx = multiprocessing.get_context("spawn")
     procs: list[tuple[Any, str, int, str]] = []
-    for engine, rank, _device, logname in assign["ranks"]:
+    for engine, rank, _device, logname, credential in assign["ranks"]:
         log_path = str(Path(log_dir) / str(logname))
         proc = ctx.Process(target=rank_entry, name=f"hkvsim-{engine}.{rank}",
-                           args=(host, port, token, str(engine), int(rank), log_path, env),
-                           daemon=True)
+                           args=(host, port, str(credential), str(engine), int(rank), log_path,
+                                 env), daemon=True)
         proc.start()
         procs.append((proc, str(engine), int(rank), log_path))
     print(f"node {node}: started {len(procs)} rank(s): "

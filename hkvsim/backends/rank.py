@@ -1,7 +1,8 @@
 """One rank of a NIXL run: its own OS process, its NIXL agent, the unchanged ConnectorWorker, the
 oracle on its own memory, and a polling loop.
 
-The process connects to the coordinator's side channel, proves it belongs to the run (token),
+The process connects to the coordinator's side channel, proves it belongs to the run (its
+one-time credential, issued by the coordinator for this rank of this run),
 receives SETUP (the scenario, its engine, rank, block count and memory type), registers its cache
 and answers READY with its handshake payload. Then it loops:
 
@@ -46,7 +47,8 @@ from ..pd.rank import RankExecutor
 from ..transport.base import TransportError
 from .side_channel import Channel, ChannelClosed, ProtocolError, fields
 
-__all__ = ["rank_entry", "RankProcess", "ucx_transports", "EXIT_OK", "EXIT_SETUP", "EXIT_LOST"]
+__all__ = ["rank_entry", "RankProcess", "hello_message", "ucx_transports", "EXIT_OK",
+           "EXIT_SETUP", "EXIT_LOST"]
 
 EXIT_OK, EXIT_SETUP, EXIT_LOST, EXIT_CRASH = 0, 3, 4, 5
 _IDLE_POLL_S = 0.001  # idle loop period: the side channel select timeout
@@ -54,9 +56,10 @@ _BUSY_POLL_S = 0.0001  # while transfers are in flight
 _SETUP_TIMEOUT_S = 120.0
 
 
-def rank_entry(host: str, port: int, token: str, engine: str, rank: int, log_path: str,
+def rank_entry(host: str, port: int, credential: str, engine: str, rank: int, log_path: str,
                env: dict[str, str] | None = None) -> None:
-    """Process entry point (multiprocessing spawn target; primitive arguments only)."""
+    """Process entry point (multiprocessing spawn target; primitive arguments only).
+    ``credential`` is this rank's one-time HELLO credential."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -70,7 +73,8 @@ def rank_entry(host: str, port: int, token: str, engine: str, rank: int, log_pat
         print(f"rank {engine}.{rank}: cannot reach the coordinator at {host}:{port}: {exc}",
               file=sys.stderr, flush=True)
         sys.exit(EXIT_LOST)
-    code = RankProcess(chan, token=token, engine=engine, rank=rank, log_path=log_path).run()
+    code = RankProcess(chan, credential=credential, engine=engine, rank=rank,
+                       log_path=log_path).run()
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)
@@ -141,11 +145,17 @@ class _HostStagedExecutor(RankExecutor):
         return result
 
 
+def hello_message(credential: str, engine: str, rank: int) -> dict[str, Any]:
+    """A rank's first message: who it is, and its one-time credential."""
+    return {"op": "hello", "credential": credential, "engine": engine, "rank": rank,
+            "pid": os.getpid()}
+
+
 class RankProcess:
-    def __init__(self, chan: Channel, *, token: str, engine: str, rank: int, log_path: str
+    def __init__(self, chan: Channel, *, credential: str, engine: str, rank: int, log_path: str
                  ) -> None:
         self.chan = chan
-        self.token = token
+        self.credential = credential
         self.engine = engine
         self.rank = rank
         self.log_path = log_path
@@ -161,8 +171,7 @@ class RankProcess:
     # ---- lifecycle ------------------------------------------------------------------------
     def run(self) -> int:
         try:
-            self.chan.send({"op": "hello", "token": self.token, "engine": self.engine,
-                            "rank": self.rank, "pid": os.getpid()})
+            self.chan.send(hello_message(self.credential, self.engine, self.rank))
             setup = self.chan.recv(_SETUP_TIMEOUT_S)
         except (ChannelClosed, TimeoutError, ProtocolError) as exc:
             print(f"{self.engine}.{self.rank}: no SETUP from the coordinator: {exc}",

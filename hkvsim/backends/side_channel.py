@@ -8,9 +8,17 @@ coordinator (the scheduler / proxy) and a rank process is one frame:
 
 Decoding is strict: a frame over :data:`MAX_FRAME` bytes, a non-map body, extension types,
 non-str map keys or a missing "op" raise :class:`ProtocolError`, and every receiver checks the
-fields of each op with :func:`fields` (exact key set, exact types; bool is not an int). A peer
-first proves it was started by this run: its HELLO carries a random token that the coordinator
-compares in constant time.
+fields of each op with :func:`fields` (exact key set, exact types; bool is not an int).
+
+Before a connection is trusted it passes the coordinator's :class:`HelloGate`: at most
+``max_pending`` connections may be unauthenticated at once (more are closed at once), the first
+frame must announce at most :data:`HELLO_MAX_BYTES` (refused from its 4-byte header, before any
+body is read) and arrive complete within :data:`HELLO_TIMEOUT_S` (a slow or silent peer is cut
+off), and a rank's HELLO must carry that rank's one-time credential from
+:class:`RankCredentials` (random per run, issued to the rank's process when it is started,
+compared in constant time and spent on first use), so a captured HELLO cannot be used again, in
+this run or another. Node agents of a multi-node run (``node_hello``) still prove themselves
+with the shared token. Refused connections are aborted, so nothing they sent stays buffered.
 
 Block ids travel as ``[[group, [ids...]], ...]`` lists (:func:`groups_out` / :func:`groups_in`),
 never as pickled arrays.
@@ -20,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
+import secrets
 import select
 import socket
 import struct
@@ -29,12 +39,17 @@ from typing import Any
 import msgpack
 import numpy as np
 
-__all__ = ["MAX_FRAME", "ProtocolError", "ChannelClosed", "pack", "unpack", "FrameBuffer",
-           "Channel", "read_message", "fields", "groups_out", "groups_in", "ids_out", "ids_in",
-           "token_ok", "DEFAULT_HOST"]
+__all__ = ["MAX_FRAME", "HELLO_MAX_BYTES", "HELLO_TIMEOUT_S", "MAX_UNAUTHENTICATED",
+           "ProtocolError", "ChannelClosed", "pack", "unpack", "FrameBuffer", "Channel",
+           "read_message", "fields", "groups_out", "groups_in", "ids_out", "ids_in", "token_ok",
+           "RankCredentials", "HelloGate", "DEFAULT_HOST"]
 
 MAX_FRAME = 16 << 20
+HELLO_MAX_BYTES = 4 << 10  # a HELLO is ~100 B
+HELLO_TIMEOUT_S = 5.0  # a rank sends its HELLO right after connecting
+MAX_UNAUTHENTICATED = 32  # at least; the coordinator allows more for a run with more ranks
 DEFAULT_HOST = "127.0.0.1"
+log = logging.getLogger("hkvsim.side_channel")
 _HEADER = struct.Struct("!I")
 _MAX_IDS = 1 << 24
 
@@ -171,13 +186,15 @@ class Channel:
             pass
 
 
-async def read_message(reader: asyncio.StreamReader) -> dict[str, Any]:
-    """One message from an asyncio stream; ChannelClosed at EOF."""
+async def read_message(reader: asyncio.StreamReader, *, max_size: int = MAX_FRAME
+                       ) -> dict[str, Any]:
+    """One message from an asyncio stream; ChannelClosed at EOF. A frame announcing more than
+    ``max_size`` bytes is refused from its header, before its body is read."""
     try:
         header = await reader.readexactly(_HEADER.size)
         (size,) = _HEADER.unpack(header)
-        if size > MAX_FRAME:
-            raise ProtocolError(f"announced frame of {size} B exceeds the {MAX_FRAME} B limit")
+        if size > max_size:
+            raise ProtocolError(f"announced frame of {size} B exceeds the {max_size} B limit")
         body = await reader.readexactly(size)
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
         raise ChannelClosed(f"the peer closed the side channel ({type(exc).__name__})") from None
@@ -246,3 +263,107 @@ def groups_in(value: Any, what: str = "blocks") -> dict[int, np.ndarray]:
 
 def token_ok(given: Any, expected: str) -> bool:
     return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+class RankCredentials:
+    """One-time credentials of one run, one per rank: random, issued by the coordinator to the
+    process it starts for that rank (or to the node agent that starts it), accepted once.
+
+    A captured HELLO is useless: replayed in the same run its credential is spent, in another run
+    it was never issued (even when a multi-node run reuses its shared token)."""
+
+    def __init__(self) -> None:
+        self._issued: dict[tuple[str, int], str] = {}
+        self._spent: set[tuple[str, int]] = set()
+
+    def issue(self, engine: str, rank: int) -> str:
+        credential = secrets.token_hex(16)
+        self._issued[(engine, rank)] = credential
+        return credential
+
+    def redeem(self, engine: str, rank: int, credential: Any) -> str | None:
+        """None when ``credential`` is that rank's and unspent (it is spent now), else why not."""
+        key = (engine, rank)
+        expected = self._issued.get(key)
+        if expected is None:
+            return f"HELLO for an unknown rank {engine!r:.40} {rank}"
+        if not token_ok(credential, expected):
+            return f"HELLO for {engine} rank {rank} with a wrong credential"
+        if key in self._spent:
+            return f"replayed HELLO for {engine} rank {rank} (its credential is spent)"
+        self._spent.add(key)
+        return None
+
+
+_HELLO = {"engine": str, "rank": int, "credential": str, "pid": int}
+
+
+class HelloGate:
+    """Admission of new side-channel connections until they have proven themselves.
+
+    ``admit`` returns the first message of a connection that passed (a rank's ``hello``, or a
+    node agent's ``node_hello``) or None after aborting one that did not. Bounds: ``max_pending``
+    unauthenticated connections at once, a first frame of at most ``max_bytes`` (refused from
+    its header), complete within ``timeout`` seconds. ``refused`` counts refusals by reason and
+    ``pending`` is the number of connections being checked now."""
+
+    def __init__(self, *, credentials: RankCredentials, node_token: str | None = None,
+                 max_pending: int = MAX_UNAUTHENTICATED, max_bytes: int = HELLO_MAX_BYTES,
+                 timeout: float | None = None) -> None:
+        self.credentials = credentials
+        self.node_token = node_token
+        self.max_pending = max_pending
+        self.max_bytes = max_bytes
+        self.timeout = HELLO_TIMEOUT_S if timeout is None else timeout
+        self.pending = 0
+        self.admitted = 0
+        self.refused: dict[str, int] = {}
+
+    def check(self, message: Mapping[str, Any]) -> str | None:
+        """Why a first message is refused, or None (sans-I/O; spends a rank's credential)."""
+        op = message.get("op")
+        if op == "hello":
+            try:
+                f = fields(message, _HELLO)
+            except ProtocolError as exc:
+                return str(exc)
+            return self.credentials.redeem(f["engine"], f["rank"], f["credential"])
+        if op == "node_hello" and self.node_token is not None:
+            return None if token_ok(message.get("token"), self.node_token) else (
+                "node_hello with a wrong token")
+        return f"unexpected first message {op!r:.40}"
+
+    async def admit(self, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> dict[str, Any] | None:
+        if self.pending >= self.max_pending:
+            self._refuse(writer, "too many unauthenticated connections", "capacity")
+            return None
+        self.pending += 1
+        try:
+            message = await asyncio.wait_for(read_message(reader, max_size=self.max_bytes),
+                                             self.timeout)
+        except asyncio.TimeoutError:
+            self._refuse(writer, f"no complete HELLO within {self.timeout:g} s", "timeout")
+            return None
+        except ProtocolError as exc:
+            self._refuse(writer, str(exc), "malformed")
+            return None
+        except ChannelClosed:
+            self._refuse(writer, "closed before its HELLO", "closed")
+            return None
+        finally:
+            self.pending -= 1
+        reason = self.check(message)
+        if reason is not None:
+            kind = ("replay" if "replayed" in reason else "credential" if "credential" in reason
+                    or "token" in reason else "malformed")
+            self._refuse(writer, reason, kind)
+            return None
+        self.admitted += 1
+        return message
+
+    def _refuse(self, writer: asyncio.StreamWriter, reason: str, kind: str) -> None:
+        first = kind not in self.refused
+        self.refused[kind] = self.refused.get(kind, 0) + 1
+        (log.warning if first else log.debug)("side channel: refused a connection: %s", reason)
+        writer.transport.abort()  # drop what it sent; nothing is buffered for it any more

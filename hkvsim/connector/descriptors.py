@@ -16,7 +16,7 @@ from .metadata import RankMetadata
 from .tp import SourcePlan
 
 __all__ = ["DescriptorList", "local_descriptors", "split_descriptors", "sliced_descriptors",
-           "remote_descriptors", "state_region_indices"]
+           "remote_descriptors", "remote_list_length", "state_region_indices"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,6 +155,16 @@ def sliced_descriptors(meta: RankMetadata, state_regions: Sequence[int], *, atte
         state, n_log = np.zeros((0, 2), np.int64), 0
     return _assemble(meta, attention, meta.num_blocks * sub_blocks, state,
                      regions.size * sizes.size, n_log)
+
+
+def remote_list_length(remote: RankMetadata, local: RankMetadata, state_regions: Sequence[int], *,
+                       remote_sub_blocks: int = 1) -> int:
+    """How many descriptors :func:`remote_descriptors` will build, without building them (the
+    handshake bounds it before allocating anything)."""
+    regions = state_region_indices(remote, state_regions).size
+    n_log = remote.num_blocks // remote.physical_blocks_per_logical
+    return (remote.num_regions * remote.num_blocks * remote_sub_blocks
+            + regions * len(local.ssm_subregion_sizes) * n_log)
 
 
 def remote_descriptors(remote: RankMetadata, local: RankMetadata, state_regions: Sequence[int],

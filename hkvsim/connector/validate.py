@@ -6,15 +6,23 @@ remedy. Pure functions of (local metadata, remote metadata, local settings).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..geometry.specs import ModelSpec
 from .metadata import RankMetadata
 from .tp import TPError, source_plan, tp_ratio
 
-__all__ = ["HandshakeError", "PairSettings", "block_size_ratio", "validate_remote_ranks",
+__all__ = ["HandshakeError", "PairSettings", "REMOTE_LIST_FACTOR", "REMOTE_LIST_FLOOR",
+           "block_size_ratio", "check_remote_list_length", "validate_remote_ranks",
            "validate_pair"]
+
+#: The remote list a rank prepares for one remote rank may hold at most REMOTE_LIST_FACTOR times
+#: its own full list, and REMOTE_LIST_FLOOR descriptors whatever its own size. Valid pairs stay
+#: far below (every scenario under scenarios/: at most 16x); a payload that claims more blocks is
+#: refused before its list is built (a hostile 600-byte payload cannot make a rank allocate GBs).
+REMOTE_LIST_FACTOR = 64
+REMOTE_LIST_FLOOR = 1 << 16
 
 
 class HandshakeError(Exception):
@@ -46,18 +54,41 @@ def block_size_ratio(*, decode_kernel_tokens: int, prefill_kernel_tokens: int) -
     return decode_kernel_tokens // prefill_kernel_tokens
 
 
-def validate_remote_ranks(remotes: Sequence[RankMetadata], *, expected_engine: str) -> None:
-    """Checks across the remote ranks of one engine (V7 num_blocks, V8 engine id)."""
-    for meta in remotes:
+def validate_remote_ranks(remotes: Mapping[int, RankMetadata], *, expected_engine: str) -> None:
+    """Checks across the remote ranks of one engine, given as rank -> metadata: V8 engine id,
+    rank and TP size (each payload is the rank it was fetched from, every rank reports the same
+    TP), V7 num_blocks."""
+    sizes = sorted({m.tp_size for m in remotes.values()})
+    for rank, meta in remotes.items():
         if meta.engine_id != expected_engine:
             raise HandshakeError(
-                "V8", f"unexpected engine_id {meta.engine_id!r} from a rank of {expected_engine!r}"
+                "V8", f"unexpected engine_id {meta.engine_id!r:.80} from a rank of "
+                f"{expected_engine!r}"
             )
-    counts = sorted({m.num_blocks for m in remotes})
+        if meta.tp_rank != rank:
+            raise HandshakeError(
+                "V8", f"the payload of {expected_engine!r} rank {rank} has tp_rank {meta.tp_rank}"
+            )
+    if len(sizes) > 1:
+        raise HandshakeError(
+            "V8", f"tp_size differs across remote ranks of {expected_engine!r}: {sizes}"
+        )
+    counts = sorted({m.num_blocks for m in remotes.values()})
     if len(counts) > 1:
         raise HandshakeError(
             "V7", f"num_blocks differs across remote ranks of {expected_engine!r}: {counts} "
             f"(every rank must allocate the same kernel-block count)"
+        )
+
+
+def check_remote_list_length(length: int, *, local_length: int, field: str) -> None:
+    """Refuse (V8) a remote list longer than this rank accepts, before it is built."""
+    limit = max(REMOTE_LIST_FACTOR * local_length, REMOTE_LIST_FLOOR)
+    if length > limit:
+        raise HandshakeError(
+            "V8", f"{field} would make a remote descriptor list of {length} descriptors; this "
+            f"rank accepts at most {limit} ({REMOTE_LIST_FACTOR} x its own list of "
+            f"{local_length}, and at least {REMOTE_LIST_FLOOR})"
         )
 
 
@@ -84,14 +115,19 @@ def validate_pair(*, model: ModelSpec, local: RankMetadata, remote: RankMetadata
             "V3", f"local TP {local.tp_size} < remote TP {remote.tp_size} with replicated remote KV "
             f"heads (remote TP > {attn.num_kv_heads} KV heads) is not supported"  # type: ignore[union-attr]
         )
-    if hybrid and settings.prefix_caching and (
+    caching = [side for side, on in (("local", settings.prefix_caching or local.prefix_caching),
+                                     ("remote", remote.prefix_caching)) if on]
+    if hybrid and caching and (
         local.physical_blocks_per_logical != remote.physical_blocks_per_logical
     ) and not settings.allow_heterogeneous_ppl_with_prefix_cache:
+        role = {"local": "decode" if local_is_decode else "prefill",
+                "remote": "prefill" if local_is_decode else "decode"}
+        sides = " and ".join(role[side] for side in caching)
         raise HandshakeError(
             "V4", f"hybrid model with prefix caching and different physical_blocks_per_logical: "
             f"local {local.physical_blocks_per_logical}, remote {remote.physical_blocks_per_logical}; "
-            f"disable prefix caching for this pair (prefix hits are whole logical blocks, so "
-            f"front-trim would pair prefill's prefix with decode's suffix)"
+            f"disable prefix caching for this pair (it is on for {sides}; prefix hits are whole "
+            f"logical blocks, so front-trim would pair prefill's prefix with decode's suffix)"
         )
     if local.num_regions != remote.num_regions:
         raise HandshakeError(

@@ -6,6 +6,7 @@ is driven by the cluster (simulated) or a rank process (real NIXL).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from .descriptors import (
     DescriptorList,
     local_descriptors,
     remote_descriptors,
+    remote_list_length,
     sliced_descriptors,
     split_descriptors,
 )
@@ -31,7 +33,13 @@ from .metadata import (
 )
 from .push import WriteRequest
 from .tp import SourcePlan, handshake_targets, source_plan
-from .validate import HandshakeError, PairSettings, validate_pair, validate_remote_ranks
+from .validate import (
+    HandshakeError,
+    PairSettings,
+    check_remote_list_length,
+    validate_pair,
+    validate_remote_ranks,
+)
 
 __all__ = ["ConnectorSettings", "ReadRequest", "ConnectorWorker", "RequestOutcome",
            "parse_notification"]
@@ -140,7 +148,7 @@ class ConnectorWorker:
                               if set(r.layers) & set(self.model.state_layers)]
 
     # ---- registration --------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def compat_hash(self) -> str:
         return compatibility_hash(self.layout, mode=self.settings.mode)
 
@@ -152,7 +160,7 @@ class ConnectorWorker:
             layout=self.layout, engine_id=self.engine_id, tp_rank=self.tp_rank,
             agent_name=self.transport.name, agent_metadata=self.transport.get_agent_metadata(),
             base_addr=self.memory.base_addr, mem_type=mem_type, device_id=self.device_id,
-            host_buffer=self.settings.host_buffer)
+            host_buffer=self.settings.host_buffer, prefix_caching=self.settings.prefix_caching)
         self._local_list(1)
         return self.memory
 
@@ -191,18 +199,12 @@ class ConnectorWorker:
         """Decode and validate the remote ranks' payloads and prepare the remote lists.
 
         ``payloads`` maps remote rank -> handshake payload for every rank of the remote engine
-        (they are all needed for the cross-rank V7 check). Raises HandshakeError.
+        (they are all needed for the cross-rank V7 check). Raises HandshakeError, and only that,
+        whatever the payloads hold: every payload is decoded, bounded and validated against this
+        rank before anything is allocated from it, and a refusal after some remote ranks were
+        set up releases their lists and agents again.
         """
-        expected = None if not self.settings.enforce_handshake_compat else self.compat_hash
-        metas: dict[int, RankMetadata] = {}
-        for rank, payload in sorted(payloads.items()):
-            try:
-                metas[rank] = decode_handshake(payload, expected_hash=expected)
-            except MetadataError as exc:
-                rule = "hash" if "hash mismatch" in str(exc) else "V8"
-                raise HandshakeError(rule, f"{rule}: remote {remote_engine} rank {rank}: {exc}"
-                                     ) from None
-        validate_remote_ranks(list(metas.values()), expected_engine=remote_engine)
+        metas = self._decode_remotes(remote_engine, payloads)
         remote_tp = next(iter(metas.values())).tp_size
         settings = PairSettings(
             prefix_caching=self.settings.prefix_caching,
@@ -211,32 +213,72 @@ class ConnectorWorker:
             in self.settings.quirks,
         )
         local_is_decode = self.role == "decode"
-        remotes: dict[int, _RemoteRank] = {}
         try:
             targets = self.targets(remote_tp)
         except ValueError as exc:
             raise HandshakeError("V1", str(exc)) from None
+        checked: list[tuple[int, RankMetadata, int]] = []
+        own_length = len(self._local_list(1)[0])
         for rank in targets:
             if rank not in metas:
                 raise HandshakeError("V7", f"remote {remote_engine} sent no metadata for rank {rank}")
             meta = metas[rank]
             bsr = validate_pair(model=self.model, local=self.metadata, remote=meta,
                                 local_is_decode=local_is_decode, settings=settings)
-            plan = source_plan(self.model, local_tp=self.layout.tp, remote_tp=remote_tp,
-                               tp_rank=self.tp_rank)
-            try:
+            length = remote_list_length(meta, self.metadata, self.state_regions,
+                                        remote_sub_blocks=1 if local_is_decode else bsr)
+            check_remote_list_length(
+                length, local_length=own_length,
+                field=f"remote {remote_engine} rank {rank}: num_blocks {meta.num_blocks}")
+            checked.append((rank, meta, bsr))
+        plan = source_plan(self.model, local_tp=self.layout.tp, remote_tp=remote_tp,
+                           tp_rank=self.tp_rank)
+        remotes: dict[int, _RemoteRank] = {}
+        known = self._agents_in_use()
+        added: list[str] = []
+        try:
+            for rank, meta, bsr in checked:
+                step = "add_remote_agent"
                 agent = self.transport.add_remote_agent(meta.agent_metadata)
-            except TransportError as exc:
-                raise HandshakeError("V8", f"add_remote_agent failed: {exc}") from None
-            if local_is_decode:  # pull: decode's blocks are bsr prefill blocks
-                rl = remote_descriptors(meta, self.metadata, self.state_regions, plan, bsr=bsr)
-            else:  # push: list decode's blocks as bsr sub-blocks, one per prefill kernel block
-                rl = remote_descriptors(meta, self.metadata, self.state_regions, plan, bsr=1,
-                                        remote_sub_blocks=bsr)
-            handle = self.transport.prep_xfer_dlist(agent, rl.descs)
-            remotes[rank] = _RemoteRank(meta=meta, agent=agent, bsr=bsr, plan=plan,
-                                        remote_list=rl, remote_handle=handle)
+                if agent not in known and agent not in added:
+                    added.append(agent)
+                if local_is_decode:  # pull: decode's blocks are bsr prefill blocks
+                    rl = remote_descriptors(meta, self.metadata, self.state_regions, plan, bsr=bsr)
+                else:  # push: list decode's blocks as bsr sub-blocks, one per prefill kernel block
+                    rl = remote_descriptors(meta, self.metadata, self.state_regions, plan, bsr=1,
+                                            remote_sub_blocks=bsr)
+                step = f"preparing the remote list ({len(rl)} descriptors)"
+                handle = self.transport.prep_xfer_dlist(agent, rl.descs)
+                remotes[rank] = _RemoteRank(meta=meta, agent=agent, bsr=bsr, plan=plan,
+                                            remote_list=rl, remote_handle=handle)
+        except TransportError as exc:
+            for remote in remotes.values():
+                self.transport.release_dlist_handle(remote.remote_handle)
+            for agent in added:
+                self.transport.remove_remote_agent(agent)
+            raise HandshakeError("V8", f"remote {remote_engine} rank {rank}: {step} failed: {exc}"
+                                 ) from None
         self._remotes[remote_engine] = remotes
+
+    def _decode_remotes(self, remote_engine: str, payloads: Mapping[int, bytes]
+                        ) -> dict[int, RankMetadata]:
+        """Every remote rank's payload, strictly decoded and checked across ranks (V7, V8)."""
+        expected = None if not self.settings.enforce_handshake_compat else self.compat_hash
+        if not payloads:
+            raise HandshakeError("V8", f"remote {remote_engine} sent no handshake payload")
+        metas: dict[int, RankMetadata] = {}
+        for rank, payload in sorted(payloads.items()):
+            try:
+                metas[rank] = decode_handshake(payload, expected_hash=expected)
+            except MetadataError as exc:
+                raise HandshakeError(exc.rule, f"{exc.rule}: remote {remote_engine} rank {rank}: "
+                                     f"{exc.detail}") from None
+        validate_remote_ranks(metas, expected_engine=remote_engine)
+        return metas
+
+    def _agents_in_use(self) -> set[str]:
+        return ({r.agent for remotes in self._remotes.values() for r in remotes.values()}
+                | self._notify_agents)
 
     # ---- pull ----------------------------------------------------------------------------
     def start_read(self, req: ReadRequest) -> RequestOutcome | None:

@@ -7,8 +7,9 @@ module only moves things between them and the sans-I/O coordinator (:mod:`hkvsim
 which holds every lifecycle rule:
 
 1. It listens on 127.0.0.1 (an ephemeral port) and starts the ranks with multiprocessing's
-   *spawn* method (primitive arguments only). Each rank says HELLO with the run's random token,
-   gets SETUP (the scenario, its engine, rank, block count, memory type), registers its cache and
+   *spawn* method (primitive arguments only). Each rank says HELLO with its one-time credential
+   (``side_channel.HelloGate`` admits connections: few unauthenticated at once, a small first
+   frame, a short deadline, no replayed HELLO), gets SETUP (the scenario, its engine, rank, block count, memory type), registers its cache and
    answers READY with its handshake payload and agent metadata.
 2. Each coordinator :class:`~hkvsim.pd.coordinator.Call` is sent to its rank as the operation's
    wire form with the call id as ``seq``; the rank's ``reply`` is fed back to the coordinator.
@@ -49,11 +50,13 @@ from typing import Any
 
 from ..backends.side_channel import (
     DEFAULT_HOST,
+    MAX_UNAUTHENTICATED,
     ChannelClosed,
+    HelloGate,
     ProtocolError,
+    RankCredentials,
     pack,
     read_message,
-    token_ok,
 )
 from ..faults import FaultPlan
 from ..pd.coordinator import Call, Coordinator, Posting
@@ -179,6 +182,7 @@ class _Rank:
     exitcode: int | None = None
     transports: list[str] = field(default_factory=list)
     node: int = 0
+    credential: str = ""  # its one-time HELLO credential (side_channel.RankCredentials)
 
     @property
     def label(self) -> str:
@@ -215,6 +219,8 @@ class NixlDriver:
         self._fault_plan = plan
         self.coord = Coordinator(self.dep, verify=self.verify, faults=plan)
         self.token = self.options.token or secrets.token_hex(16)
+        self.credentials = RankCredentials()
+        self.gate: HelloGate | None = None
         self.ranks: list[_Rank] = []
         self._by_key: dict[RankId, _Rank] = {}
         self._calls: dict[int, tuple[_Rank, Any]] = {}  # call id -> rank, op
@@ -276,6 +282,9 @@ class NixlDriver:
         else:
             os.makedirs(self._log_dir, exist_ok=True)
         self._plan_ranks()
+        self.gate = HelloGate(
+            credentials=self.credentials, node_token=self.token,
+            max_pending=max(MAX_UNAUTHENTICATED, 2 * len(self.ranks) + self.options.nodes))
         server = await asyncio.start_server(self._on_connection, host=self.options.host,
                                             port=self.options.port)
         sock = server.sockets[0].getsockname()
@@ -315,7 +324,7 @@ class NixlDriver:
             for r in range(spec.tp):
                 path = os.path.join(self._log_dir or ".", f"{spec.engine_id}.{r}.log")
                 rank = _Rank(engine=spec.engine_id, role=spec.role, rank=r, device_id=slot,
-                             log_path=path)
+                             log_path=path, credential=self.credentials.issue(spec.engine_id, r))
                 self.ranks.append(rank)
                 self._by_key[rank.key] = rank
                 slot += 1
@@ -340,8 +349,8 @@ class NixlDriver:
             env = self._rank_env()
             for r in self.ranks:
                 proc = ctx.Process(target=rank_entry, name=f"hkvsim-{r.engine}.{r.rank}",
-                                   args=(host, port, self.token, r.engine, r.rank, r.log_path,
-                                         env), daemon=True)
+                                   args=(host, port, r.credential, r.engine, r.rank,
+                                         r.log_path, env), daemon=True)
                 proc.start()
                 r.proc, r.pid = proc, proc.pid
                 self._loop.add_reader(proc.sentinel, self._on_sentinel, r)
@@ -425,27 +434,19 @@ class NixlDriver:
     # ---- side channel ----------------------------------------------------------------------
     async def _on_connection(self, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:
-        try:
-            hello = await asyncio.wait_for(read_message(reader), 30.0)
-        except (asyncio.TimeoutError, ChannelClosed, ProtocolError):
-            writer.close()
+        assert self.gate is not None
+        hello = await self.gate.admit(reader, writer)  # None: refused, and closed
+        if hello is None:
             return
-        if not token_ok(hello.get("token"), self.token):
-            log.warning("side channel: refused a connection with a wrong token")
-            writer.close()
-            return
-        if hello.get("op") == "node_hello":
+        if hello["op"] == "node_hello":
             await self._node_session(hello, reader, writer)
             return
-        r = None
-        if hello.get("op") == "hello" and isinstance(hello.get("engine"), str) and isinstance(
-                hello.get("rank"), int) and not isinstance(hello.get("rank"), bool):
-            r = self._by_key.get((hello["engine"], hello["rank"]))
+        r = self._by_key.get((hello["engine"], hello["rank"]))
         if r is None or r.writer is not None:
             writer.close()
             return
         r.writer = writer
-        if r.pid is None and isinstance(hello.get("pid"), int):
+        if r.pid is None:
             r.pid = hello["pid"]
         assert r.hello is not None
         if not r.hello.done():
@@ -492,7 +493,8 @@ class NixlDriver:
                        f"{len(self.ranks)} ranks; the run was started with "
                        f"--nodes {self.options.nodes}")
         writer.write(pack({"op": "assign", "ranks": [
-            [r.engine, r.rank, r.device_id, os.path.basename(r.log_path)] for r in assignments],
+            [r.engine, r.rank, r.device_id, os.path.basename(r.log_path), r.credential]
+            for r in assignments],
             "env": self._rank_env()}))
         try:
             while True:

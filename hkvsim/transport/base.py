@@ -7,17 +7,23 @@ descriptor lists, post READ/WRITE with a notification, poll, release, notificati
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+import msgpack
 import numpy as np
 
-__all__ = ["DONE", "PROC", "ERR", "TransportError", "Memory", "XferTelemetry", "Transport",
-           "check_descriptor_array", "check_paired_ids", "check_strided_array",
-           "expand_strided"]
+__all__ = ["DONE", "PROC", "ERR", "MEM_TYPES", "TransportError", "Memory", "XferTelemetry",
+           "Transport", "AgentAnnouncement", "PeerRegistrations", "check_descriptor_array",
+           "check_handle", "check_mem_type", "check_paired_ids", "check_strided_array",
+           "decode_agent_metadata", "encode_agent_metadata", "expand_strided", "overlapping"]
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
 OPS = ("READ", "WRITE")
+MEM_TYPES = ("DRAM", "VRAM")  # case-sensitive, as NIXL's (a wrong one is a bare KeyError there)
+MAX_AGENT_METADATA = 1 << 20
+MAX_ANNOUNCED_REGIONS = 1 << 10
 
 
 class TransportError(RuntimeError):
@@ -51,6 +57,32 @@ class XferTelemetry:
     submitted: float
     completed: float | None
     path: tuple[str, ...] = ()
+
+
+def check_mem_type(mem_type: Any, *, what: str) -> str:
+    if not isinstance(mem_type, str) or mem_type not in MEM_TYPES:
+        raise TransportError(f"{what}: memory type {mem_type!r:.40}; allowed: "
+                             f"{', '.join(MEM_TYPES)}")
+    return mem_type
+
+
+def check_handle(handle: Any, *, what: str) -> int:
+    """A transfer or list handle must be an int this transport gave out (not a bool or float)."""
+    if not isinstance(handle, (int, np.integer)) or isinstance(handle, (bool, np.bool_)):
+        raise TransportError(f"{what}: handle must be an int, got {type(handle).__name__} "
+                             f"{handle!r:.40}")
+    return int(handle)
+
+
+def _ids(ids: Any, *, what: str, side: str) -> np.ndarray:
+    """Descriptor ids as int64: integers only (a float id would be silently truncated)."""
+    arr = np.asarray(ids)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TransportError(f"{what}: {side} descriptor ids must be integers, got dtype "
+                             f"{arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise TransportError(f"{what}: {side} descriptor id {int(arr.max())} out of range")
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def check_descriptor_array(descs: np.ndarray, *, what: str = "descriptor list") -> np.ndarray:
@@ -111,8 +143,8 @@ def check_paired_ids(local_descs: np.ndarray, local_ids: np.ndarray, remote_desc
     """Validate a transfer's paired descriptor ids against two prepared lists: equal-length 1-D
     id lists, every id inside its list, and equal lengths pair by pair (NIXL answers all of these
     with a bare NOT_FOUND). Returns the int64 id arrays and the total bytes."""
-    li = np.ascontiguousarray(local_ids, dtype=np.int64)
-    ri = np.ascontiguousarray(remote_ids, dtype=np.int64)
+    li = _ids(local_ids, what=what, side="local")
+    ri = _ids(remote_ids, what=what, side="remote")
     if li.ndim != 1 or li.shape != ri.shape:
         raise TransportError(f"{what}: local and remote id lists differ in length "
                              f"({li.size} vs {ri.size})")
@@ -133,6 +165,132 @@ def check_paired_ids(local_descs: np.ndarray, local_ids: np.ndarray, remote_desc
     return li, ri, int(ll.sum())
 
 
+# ---- what a peer announces about its memory -----------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class AgentAnnouncement:
+    """One agent's metadata as both transports exchange it: its name, the transport's own blob
+    (NIXL's agent metadata; empty on the simulated fabric) and the memory it has registered,
+    (K, 3) uint64 rows of (addr, len, device)."""
+
+    name: str
+    native: bytes
+    regions: np.ndarray
+
+
+def encode_agent_metadata(name: str, native: bytes,
+                          regions: Sequence[tuple[int, int, int]]) -> bytes:
+    """The agent metadata a transport hands out, with its registered (addr, len, device)
+    regions. It is re-sent over the side channel whenever the agent's registrations change, so
+    its peers learn about deregistered memory."""
+    return msgpack.packb({"agent": name, "native": bytes(native),
+                          "regions": [[int(a), int(n), int(d)] for a, n, d in regions]},
+                         use_bin_type=True)
+
+
+class _ListBudget:
+    """msgpack ``list_hook``: stop once the lists decoded hold more than ``left`` entries (a
+    blob of nested one-element lists would otherwise cost ~1 s per MiB to decode)."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def __call__(self, items: list) -> list:
+        self.left -= len(items) + 1
+        if self.left < 0:
+            raise ValueError("too many list entries")
+        return items
+
+
+def decode_agent_metadata(blob: Any, *, what: str) -> AgentAnnouncement:
+    """Strictly decode a peer's agent metadata; a TransportError (kind handshake_failed) says
+    what is wrong."""
+    def bad(why: str) -> TransportError:
+        return TransportError(f"{what}: bad agent metadata: {why}", kind="handshake_failed")
+
+    if not isinstance(blob, (bytes, bytearray)) or not blob:
+        raise bad(f"expected non-empty bytes, got {type(blob).__name__}")
+    if len(blob) > MAX_AGENT_METADATA:
+        raise bad(f"{len(blob)} bytes, over the {MAX_AGENT_METADATA}-byte limit")
+    try:
+        msg = msgpack.unpackb(bytes(blob), raw=False, strict_map_key=True, max_map_len=8,
+                              max_array_len=MAX_ANNOUNCED_REGIONS, max_str_len=4096,
+                              max_bin_len=MAX_AGENT_METADATA,
+                              list_hook=_ListBudget(5 * MAX_ANNOUNCED_REGIONS))
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise bad(f"undecodable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(msg, dict) or set(msg) != {"agent", "native", "regions"}:
+        raise bad("expected a map with keys agent, native, regions")
+    name, native, regions = msg["agent"], msg["native"], msg["regions"]
+    if not isinstance(name, str) or not name:
+        raise bad("'agent' must be a non-empty string")
+    if not isinstance(native, bytes):
+        raise bad("'native' must be bytes")
+    ok = isinstance(regions, list) and all(
+        isinstance(r, list) and len(r) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 for v in r)
+        for r in regions)
+    if not ok:
+        raise bad("'regions' must be a list of [addr, len, device] non-negative integers")
+    arr = np.array(regions, dtype=np.uint64).reshape(-1, 3)
+    if arr.size and ((arr[:, 0] + arr[:, 1] < arr[:, 0]) | (arr[:, 1] == 0)).any():
+        raise bad("a region is empty or overflows the address space")
+    return AgentAnnouncement(name=name, native=native, regions=arr)
+
+
+def overlapping(descs: np.ndarray, ranges: np.ndarray) -> bool:
+    """Whether any (addr, len, device) descriptor overlaps any (addr, len, device) range."""
+    if descs.shape[0] == 0 or ranges.shape[0] == 0:
+        return False
+    addr, end, dev = descs[:, 0:1], descs[:, 0:1] + descs[:, 1:2], descs[:, 2:3]
+    lo, hi = ranges[None, :, 0], ranges[None, :, 0] + ranges[None, :, 1]
+    return bool(((addr < hi) & (end > lo) & (dev == ranges[None, :, 2])).any())
+
+
+class PeerRegistrations:
+    """The memory every remote agent announced as registered (its latest agent metadata).
+
+    NIXL keeps accepting transfers into memory its peer has deregistered (DOMAIN.md §11.4
+    hazard 2): the WRITE is DONE and lands. Both transports consult this ledger instead:
+    a remote list, or a transfer, must lie inside what the peer announced, and when a newer
+    announcement withdraws a range, every list over it goes stale.
+    """
+
+    def __init__(self) -> None:
+        self._ranges: dict[str, np.ndarray] = {}
+
+    def announce(self, agent: str, regions: np.ndarray) -> np.ndarray:
+        """Record ``agent``'s regions; returns the previously announced ranges it withdrew."""
+        old = self._ranges.get(agent)
+        self._ranges[agent] = regions
+        if old is None or old.shape[0] == 0:
+            return np.zeros((0, 3), dtype=np.uint64)
+        kept = [bool(((regions[:, 0] <= row[0]) & (row[0] + row[1] <= regions[:, 0] + regions[:, 1])
+                      & (regions[:, 2] == row[2])).any()) for row in old]  # K: a handful
+        return old[~np.asarray(kept, dtype=bool)]
+
+    def forget(self, agent: str) -> None:
+        self._ranges.pop(agent, None)
+
+    def problem(self, agent: str, descs: np.ndarray) -> str | None:
+        """Why ``descs`` (N, 3) do not all lie in memory ``agent`` announced, or None."""
+        if descs.shape[0] == 0:
+            return None
+        ranges = self._ranges.get(agent, np.zeros((0, 3), dtype=np.uint64))
+        addr, length, dev = descs[:, 0:1], descs[:, 1:2], descs[:, 2:3]
+        end = addr + length
+        inside = ((end >= addr) & (addr >= ranges[None, :, 0])
+                  & (end <= ranges[None, :, 0] + ranges[None, :, 1])
+                  & (dev == ranges[None, :, 2])).any(axis=1)
+        if inside.all():
+            return None
+        i = int(np.flatnonzero(~inside)[0])
+        announced = ", ".join(f"[{int(lo):#x}, {int(lo + n):#x}) device {int(d)}"
+                              for lo, n, d in ranges[:4]) or "none"
+        return (f"descriptor {i} ({int(descs[i, 0]):#x}, {int(descs[i, 1])} B, device "
+                f"{int(descs[i, 2])}) is outside the memory remote agent {agent} has registered "
+                f"(announced: {announced}{', ...' if ranges.shape[0] > 4 else ''})")
+
+
 @runtime_checkable
 class Transport(Protocol):
     """One agent per rank, shaped like ``nixl_agent``."""
@@ -147,12 +305,17 @@ class Transport(Protocol):
 
     def get_agent_metadata(self) -> bytes: ...
 
-    def add_remote_agent(self, metadata: bytes) -> str: ...
+    def add_remote_agent(self, metadata: bytes) -> str:
+        """Learn a peer from its agent metadata; called again with newer metadata, it updates
+        what the peer has registered (lists over withdrawn memory go stale)."""
+        ...
 
     def remove_remote_agent(self, name: str) -> None: ...
 
-    def prep_xfer_dlist(self, agent: str, descs: np.ndarray) -> int:
-        """``agent`` = "" for a local list, else the remote agent's name."""
+    def prep_xfer_dlist(self, agent: str, descs: np.ndarray, *, mem_type: str | None = None
+                        ) -> int:
+        """``agent`` = "" for a local list, else the remote agent's name: the list must lie in
+        memory that agent announced (its latest agent metadata)."""
         ...
 
     def release_dlist_handle(self, handle: int) -> None: ...

@@ -11,8 +11,16 @@ released, so that the hazards of NIXL's Python API (DOMAIN.md §11.4) become lou
    silently: every local descriptor list is checked against our registration ledger when it is
    prepared, and a list (and every transfer built on it) goes stale when its memory is
    deregistered; remote lists go stale when their agent is removed (hazard 7: re-prepare them).
+   Our agent metadata wraps NIXL's with the memory we have registered
+   (:func:`~hkvsim.transport.base.encode_agent_metadata`); a peer re-sends it over the side
+   channel when that changes, and ``add_remote_agent`` with the newer metadata withdraws what is
+   gone: remote lists (and non-prepped transfers) over it go stale, and no remote list or
+   transfer outside what the peer announced is accepted (NIXL itself would let a WRITE into
+   the deregistered range report DONE and land).
 3. ``get_xfer_descs`` returns None on malformed input: arrays are validated (shape, dtype,
    overflow, lengths, registered ranges) before NIXL sees them, and a None result is refused.
+   A wrong memory type (a bare ``KeyError`` in NIXL), float descriptor ids (truncated by a cast)
+   and unknown handles are refused the same way, as ``SimTransport`` refuses them.
 4. Errors carry only a status code: every NIXL exception is re-raised as a ``TransportError``
    naming the operation, the agent, the lists' lengths and the first offending index.
 5. The built-in listener binds 0.0.0.0: it is always off here; metadata travels over
@@ -49,18 +57,22 @@ from .base import (
     OPS,
     PROC,
     Memory,
+    PeerRegistrations,
     TransportError,
     XferTelemetry,
     check_descriptor_array,
+    check_handle,
+    check_mem_type,
     check_paired_ids,
     check_strided_array,
+    decode_agent_metadata,
+    encode_agent_metadata,
     expand_strided,
+    overlapping,
 )
 from .memory import lazy_buffer
 
 __all__ = ["NixlConfig", "NixlTransport", "load_nixl", "nixl_available", "NixlUnavailable"]
-
-_MEM_TYPES = ("DRAM", "VRAM")
 
 
 class NixlUnavailable(ImportError):
@@ -192,6 +204,7 @@ class NixlTransport:
         self._xfers: dict[int, _Xfer] = {}
         self._ids = count(1)
         self._remotes: set[str] = set()
+        self._peers = PeerRegistrations()
         self._leaked: list[int] = []
         self._telemetry_ok = self.config.telemetry
         self._torch_buffers: dict[int, Any] = {}
@@ -225,8 +238,7 @@ class NixlTransport:
         uint8 tensor on ``cuda:<device_id>`` with a host shadow array for the oracle (see
         :func:`device_sync`)."""
         self._check_open()
-        if mem_type not in _MEM_TYPES:
-            raise TransportError(f"{self.name}: memory type {mem_type!r}; allowed: DRAM, VRAM")
+        check_mem_type(mem_type, what=f"{self.name}: allocate")
         if nbytes <= 0:
             raise TransportError(f"{self.name}: cannot allocate {nbytes} bytes")
         if mem_type == "DRAM":
@@ -284,9 +296,18 @@ class NixlTransport:
             raise TransportError(f"{self.name}: deregister_memory failed: {_describe(exc)}"
                                  ) from None
         self._registrations.remove(entry)
-        for dl in self._dlists.values():  # hazard 2: a list over deregistered memory is stale
+        for dl in self._live_lists():  # hazard 2: a list over deregistered memory is stale
             if dl.memory is memory and dl.stale is None:
                 dl.stale = "its memory was deregistered"
+
+    def _live_lists(self) -> list[_DList]:
+        """Every unreleased list: prepared ones, and those of non-prepped transfers."""
+        lists = {id(d): d for d in self._dlists.values() if not d.released}
+        for x in self._xfers.values():
+            if not x.released:
+                for side in (x.local, x.remote):
+                    lists.setdefault(id(side), side)
+        return list(lists.values())
 
     def _registered(self, descs: np.ndarray) -> tuple[Memory | None, str | None]:
         """The registered memory holding every descriptor, or why none does."""
@@ -311,16 +332,24 @@ class NixlTransport:
 
     # ---- peers ---------------------------------------------------------------------------
     def get_agent_metadata(self) -> bytes:
+        """NIXL's agent metadata wrapped with the memory registered now (hazard 2): send it
+        again whenever that changes."""
         self._check_open()
-        return bytes(self._agent.get_agent_metadata())
+        return encode_agent_metadata(self.name, bytes(self._agent.get_agent_metadata()),
+                                     [(r.lo, r.hi - r.lo, r.memory.device_id)
+                                      for r in self._registrations])
 
     def add_remote_agent(self, metadata: bytes) -> str:
+        """Load a peer's metadata into NIXL and record the memory it announced. Called again with
+        the peer's newer metadata it withdraws what the peer no longer lists (hazard 2)."""
         self._check_open()
-        if not isinstance(metadata, (bytes, bytearray)) or not metadata:
-            raise TransportError(f"{self.name}: add_remote_agent needs the peer's metadata bytes",
+        announced = decode_agent_metadata(metadata, what=f"{self.name}: add_remote_agent")
+        if not announced.native:
+            raise TransportError(f"{self.name}: add_remote_agent: the metadata of "
+                                 f"{announced.name!r:.60} carries no NIXL metadata",
                                  kind="handshake_failed")
         try:
-            raw = self._agent.add_remote_agent(bytes(metadata))
+            raw = self._agent.add_remote_agent(announced.native)
         except Exception as exc:
             raise TransportError(f"{self.name}: add_remote_agent ({len(metadata)} B of metadata) "
                                  f"failed: {_describe(exc)}", kind="handshake_failed") from None
@@ -328,7 +357,21 @@ class NixlTransport:
         if name == self.name:
             raise TransportError(f"{self.name}: add_remote_agent was given this agent's own "
                                  f"metadata", kind="handshake_failed")
+        if name != announced.name:
+            if name not in self._remotes:
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception:
+                    pass
+            raise TransportError(f"{self.name}: add_remote_agent: metadata announced agent "
+                                 f"{announced.name!r:.60} but NIXL loaded {name!r:.60}",
+                                 kind="handshake_failed")
         self._remotes.add(name)
+        withdrawn = self._peers.announce(name, announced.regions)
+        if withdrawn.shape[0]:
+            for dl in self._live_lists():
+                if dl.agent == name and dl.stale is None and overlapping(dl.descs, withdrawn):
+                    dl.stale = f"remote agent {name} deregistered that memory"
         return name
 
     def remove_remote_agent(self, name: str) -> None:
@@ -338,6 +381,7 @@ class NixlTransport:
             if dl.agent == name and dl.stale is None:
                 dl.stale = f"remote agent {name} was removed"
         self._remotes.discard(name)
+        self._peers.forget(name)
         try:
             self._agent.remove_remote_agent(name)
         except Exception:  # already gone (peer died): nothing left to undo
@@ -350,6 +394,8 @@ class NixlTransport:
         an added remote agent. ``mem_type`` defaults to our registered memory's type."""
         self._check_open()
         what = f"{self.name}: prep_xfer_dlist({'local' if not agent else agent})"
+        if mem_type is not None:
+            check_mem_type(mem_type, what=what)
         arr = np.ascontiguousarray(check_descriptor_array(descs, what=what), dtype=np.uint64)
         if arr.shape[0] and (arr[:, 1] == 0).any():
             i = int(np.flatnonzero(arr[:, 1] == 0)[0])
@@ -360,6 +406,9 @@ class NixlTransport:
             if agent not in self._remotes:
                 raise TransportError(f"{what}: unknown remote agent {agent!r} (add_remote_agent "
                                      f"first)")
+            problem = self._peers.problem(agent, arr)
+            if problem is not None:
+                raise TransportError(f"{what}: {problem}")
         else:
             memory, problem = self._registered(arr)
             if problem is not None:
@@ -406,7 +455,7 @@ class NixlTransport:
                 pass  # releasing a list of a vanished peer: nothing to do
 
     def _dlist(self, handle: int, side: str) -> _DList:
-        dl = self._dlists.get(handle)
+        dl = self._dlists.get(check_handle(handle, what=f"{self.name}: {side} list"))
         if dl is None or dl.released:
             raise TransportError(f"{self.name}: {side} descriptor list {handle} is released or "
                                  f"unknown")
@@ -488,6 +537,9 @@ class NixlTransport:
         memory, problem = self._registered(ld)
         if problem is not None:
             raise TransportError(f"{what}: local side: {problem}")
+        problem = self._peers.problem(remote_agent, rd)
+        if problem is not None:
+            raise TransportError(f"{what}: remote side: {problem}")
         kind = memory.mem_type if memory is not None else self._default_mem_type()
         local = _DList(agent="", descs=ld, handle=None, mem_type=kind, memory=memory)
         remote = _DList(agent=remote_agent, descs=rd, handle=None, mem_type=kind)
@@ -531,7 +583,7 @@ class NixlTransport:
             dl.released = True
 
     def _xfer(self, handle: int) -> _Xfer:
-        x = self._xfers.get(handle)
+        x = self._xfers.get(check_handle(handle, what=f"{self.name}: transfer"))
         if x is None:
             raise TransportError(f"{self.name}: unknown transfer handle {handle}")
         if x.released:  # hazard 1: NIXL segfaults (transfer) or lies "DONE" (check)
@@ -682,7 +734,10 @@ class NixlTransport:
 
     # ---- telemetry -----------------------------------------------------------------------
     def get_xfer_telemetry(self, handle: int) -> XferTelemetry:
-        x = self._xfers[handle]
+        x = self._xfers.get(check_handle(handle, what=f"{self.name}: get_xfer_telemetry"))
+        if x is None:
+            raise TransportError(f"{self.name}: get_xfer_telemetry of unknown transfer handle "
+                                 f"{handle}")
         post, total = x.post_seconds, None
         if x.handle is not None and self._telemetry_ok and x.state == DONE and not x.released:
             try:

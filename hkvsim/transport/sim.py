@@ -2,8 +2,11 @@
 
 Memory holds real bytes (lazily committed), so transfers are byte-exact or visibly not. One
 posted transfer is one fabric flow (O(1) simulated events), however many descriptors it has.
-Hazards of real NIXL are mirrored as loud errors: posting a released handle, re-posting an active
-one, mismatched descriptor lengths, addresses outside registered memory.
+Hazards of real NIXL are mirrored as loud errors, the same ones ``NixlTransport`` raises: posting
+a released handle, re-posting an active one, mismatched descriptor lengths, float descriptor ids,
+unknown handles, wrong memory types, addresses outside registered memory, and remote lists or
+transfers over memory the peer has withdrawn (its re-announced agent metadata no longer lists it;
+such lists go stale, as local lists over deregistered memory do).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-import msgpack
 import numpy as np
 import simpy
 
@@ -23,12 +25,18 @@ from .base import (
     OPS,
     PROC,
     Memory,
+    PeerRegistrations,
     TransportError,
     XferTelemetry,
     check_descriptor_array,
+    check_handle,
+    check_mem_type,
     check_paired_ids,
     check_strided_array,
+    decode_agent_metadata,
+    encode_agent_metadata,
     expand_strided,
+    overlapping,
 )
 from .memory import copy_ranges, lazy_buffer
 
@@ -64,6 +72,7 @@ class _DList:
     agent: str
     descs: np.ndarray
     released: bool = False
+    stale: str | None = None  # why it may no longer be used
 
 
 @dataclass(eq=False)
@@ -187,12 +196,20 @@ class SimTransport:
         self._xfers: dict[int, _Xfer] = {}
         self._ids = count(1)
         self._remotes: set[str] = set()
+        self._peers = PeerRegistrations()
+        self._sizes: dict[int, int] = {}
 
     # ---- memory --------------------------------------------------------------------------
     def allocate(self, nbytes: int, *, mem_type: str = "VRAM", device_id: int = 0) -> Memory:
+        check_mem_type(mem_type, what=f"{self.name}: allocate")
         array = lazy_buffer(nbytes) if self.world.move_bytes else np.zeros(0, np.uint8)
-        return Memory(base_addr=self.world._new_window(), array=array, mem_type=mem_type,
-                      device_id=device_id)
+        memory = Memory(base_addr=self.world._new_window(), array=array, mem_type=mem_type,
+                        device_id=device_id)
+        self._sizes[id(memory)] = nbytes  # timing-only memory holds no bytes but has a size
+        return memory
+
+    def _extent(self, memory: Memory) -> tuple[int, int, int]:
+        return memory.base_addr, self._sizes.get(id(memory), memory.nbytes), memory.device_id
 
     def register_memory(self, memory: Memory) -> None:
         agent = self.world.agent(self.name)
@@ -204,33 +221,59 @@ class SimTransport:
         if memory not in agent.memories:
             raise TransportError(f"{self.name}: deregistering memory that is not registered")
         agent.memories.remove(memory)
+        gone = np.array([self._extent(memory)], dtype=np.uint64)
+        self._mark_stale(self.name, gone, "its memory was deregistered")
+
+    def _mark_stale(self, owner: str, ranges: np.ndarray, why: str) -> None:
+        """Lists of ``owner`` (this agent, or a peer) over ``ranges`` may no longer be used,
+        including the lists of non-prepped transfers."""
+        lists = {id(d): d for d in self._dlists.values() if not d.released}
+        for x in self._xfers.values():
+            if not x.released:
+                lists.setdefault(id(x.local), x.local)
+                lists.setdefault(id(x.remote), x.remote)
+        for dl in lists.values():
+            if dl.agent == owner and dl.stale is None and overlapping(dl.descs, ranges):
+                dl.stale = why
 
     # ---- peers ---------------------------------------------------------------------------
     def get_agent_metadata(self) -> bytes:
         agent = self.world.agent(self.name)
-        return msgpack.packb({"name": self.name,
-                              "memory": [[m.base_addr, m.nbytes] for m in agent.memories]})
+        return encode_agent_metadata(self.name, b"", [self._extent(m) for m in agent.memories])
 
     def add_remote_agent(self, metadata: bytes) -> str:
-        try:
-            name = msgpack.unpackb(metadata, raw=False)["name"]
-        except Exception as exc:
-            raise TransportError(f"{self.name}: bad agent metadata: {exc}",
-                                 kind="handshake_failed") from None
+        """Learn a peer, or (called again with its newer metadata) what it has registered now."""
+        announced = decode_agent_metadata(metadata, what=f"{self.name}: add_remote_agent")
+        name = announced.name
+        if name == self.name:
+            raise TransportError(f"{self.name}: add_remote_agent was given this agent's own "
+                                 f"metadata", kind="handshake_failed")
         self.world.agent(name)
         self._remotes.add(name)
+        withdrawn = self._peers.announce(name, announced.regions)
+        if withdrawn.shape[0]:
+            self._mark_stale(name, withdrawn, f"remote agent {name} deregistered that memory")
         return name
 
     def remove_remote_agent(self, name: str) -> None:
         self._remotes.discard(name)
+        self._peers.forget(name)
 
     # ---- descriptor lists ----------------------------------------------------------------
-    def prep_xfer_dlist(self, agent: str, descs: np.ndarray) -> int:
-        arr = check_descriptor_array(descs, what=f"{self.name}: prep_xfer_dlist")
+    def prep_xfer_dlist(self, agent: str, descs: np.ndarray, *, mem_type: str | None = None
+                        ) -> int:
+        what = f"{self.name}: prep_xfer_dlist({agent or 'local'})"
+        if mem_type is not None:
+            check_mem_type(mem_type, what=what)
+        arr = check_descriptor_array(descs, what=what)
         owner = agent or self.name
         if agent and agent not in self._remotes:
             raise TransportError(f"{self.name}: prep_xfer_dlist for unknown remote agent {agent!r} "
                                  f"(add_remote_agent first)")
+        if agent:
+            problem = self._peers.problem(agent, arr)
+            if problem is not None:
+                raise TransportError(f"{what}: {problem}")
         handle = next(self._ids)
         self._dlists[handle] = _DList(agent=owner, descs=arr)
         return handle
@@ -241,10 +284,13 @@ class SimTransport:
             dl.released = True
 
     def _dlist(self, handle: int, side: str) -> _DList:
-        dl = self._dlists.get(handle)
+        dl = self._dlists.get(check_handle(handle, what=f"{self.name}: {side} list"))
         if dl is None or dl.released:
             raise TransportError(f"{self.name}: {side} descriptor list {handle} is released or "
                                  f"unknown")
+        if dl.stale is not None:
+            raise TransportError(f"{self.name}: {side} descriptor list {handle} is stale: "
+                                 f"{dl.stale}")
         return dl
 
     # ---- transfers -----------------------------------------------------------------------
@@ -292,6 +338,9 @@ class SimTransport:
                 i = int(np.flatnonzero(ld[:, 1] != rd[:, 1])[0])
                 raise TransportError(f"{self.name}: descriptor pair {i} has local length "
                                      f"{int(ld[i, 1])} but remote length {int(rd[i, 1])}")
+        problem = self._peers.problem(remote_agent, rd)
+        if problem is not None:
+            raise TransportError(f"{self.name}: make_xfer remote: {problem}")
         ids = np.arange(ld.shape[0], dtype=np.int64)
         handle = next(self._ids)
         self._xfers[handle] = _Xfer(op=op, local=_DList(agent=self.name, descs=ld), local_ids=ids,
@@ -301,7 +350,7 @@ class SimTransport:
         return handle
 
     def _xfer(self, handle: int) -> _Xfer:
-        x = self._xfers.get(handle)
+        x = self._xfers.get(check_handle(handle, what=f"{self.name}: transfer"))
         if x is None:
             raise TransportError(f"{self.name}: unknown transfer handle {handle}")
         if x.released:
@@ -313,6 +362,10 @@ class SimTransport:
         x = self._xfer(handle)
         if x.state == PROC:
             raise TransportError(f"{self.name}: transfer handle {handle} is still active")
+        for side in (x.local, x.remote):
+            if side.stale is not None:
+                raise TransportError(f"{self.name}: transfer {handle} uses a stale descriptor "
+                                     f"list ({side.stale}); re-prepare it")
         remote_agent = self.world.agent(x.remote.agent)
         if not remote_agent.alive:
             raise TransportError(f"{self.name}: remote agent {x.remote.agent} disconnected",
@@ -422,7 +475,9 @@ class SimTransport:
 
     def xfer_failure(self, handle: int) -> tuple[str, str] | None:
         """(failure class, reason) of a transfer in ERR, else None."""
-        x = self._xfers[handle]
+        x = self._xfers.get(handle)
+        if x is None:
+            return None
         return (x.error_kind, x.error) if x.state == ERR and x.error else None
 
     def release_xfer_handle(self, handle: int) -> None:
@@ -465,7 +520,10 @@ class SimTransport:
         return inbox
 
     def get_xfer_telemetry(self, handle: int) -> XferTelemetry:
-        x = self._xfers[handle]
+        x = self._xfers.get(check_handle(handle, what=f"{self.name}: get_xfer_telemetry"))
+        if x is None:
+            raise TransportError(f"{self.name}: get_xfer_telemetry of unknown transfer handle "
+                                 f"{handle}")
         t = x.timing
         if t is None:
             return XferTelemetry(nbytes=x.nbytes, descriptors=x.rows if x.rows is not None

@@ -10,9 +10,11 @@ from ._helpers import run, scenario_text
 CASES = [
     # §3.2: first-registered-wins. The KDA view wins every KimiLinear-style region: attention
     # descriptor k addresses k x unified page, out of range beyond num_blocks/ppl -> the
-    # transport refuses the descriptors (NOT_FOUND) and requests fail.
+    # transport refuses the remote list outside the peer's registered memory when it is
+    # prepared (NIXL: NOT_FOUND), so the handshake fails; or the requests fail or corrupt.
     pytest.param("first-registration-mla-flag", 2, 1, "0", False,
-                 {"request-failure", "corruption"}, id="first-registration-mla-flag"),
+                 {"handshake-error", "request-failure", "corruption"},
+                 id="first-registration-mla-flag"),
     # §6: remote ids expanded with the local ppl (Qwen3.5 4P2D)
     pytest.param("local-ppl-remote-expansion", 1, 2, "0", False,
                  {"corruption", "request-failure"}, id="local-ppl-remote-expansion"),

@@ -110,6 +110,31 @@ def test_v4_hybrid_prefix_caching_with_different_ppl():
     assert _check(model, d, p, bug) == 1
 
 
+@pytest.mark.parametrize("local_is_decode", [True, False])
+@pytest.mark.parametrize("local_pc,remote_pc", [(True, False), (False, True), (True, True)])
+def test_v4_whichever_side_enables_prefix_caching(local_is_decode, local_pc, remote_pc):
+    # issue #10 item 7: push with prefix caching on decode only passed the handshake (prefill
+    # validates, with its own setting off). The remote's setting travels in its metadata.
+    model, d, p = _pair("kimi-linear-48b", d_tp=1, p_tp=2)
+    local, remote = (d, p) if local_is_decode else (p, d)
+    local = replace(local, prefix_caching=local_pc)
+    remote = replace(remote, prefix_caching=remote_pc)
+    with pytest.raises(HandshakeError) as exc:
+        validate_pair(model=model, local=local, remote=remote, local_is_decode=local_is_decode,
+                      settings=NO_PC)
+    text = str(exc.value)
+    assert exc.value.rule == "V4" and "disable prefix caching" in text
+    on = {("local", local_pc), ("remote", remote_pc)}
+    roles = {"local": "decode" if local_is_decode else "prefill",
+             "remote": "prefill" if local_is_decode else "decode"}
+    for side, enabled in on:
+        assert (roles[side] in text.split("it is on for ")[1].split(";")[0]) == enabled, text
+    # off on both sides: accepted
+    assert validate_pair(model=model, local=replace(local, prefix_caching=False),
+                         remote=replace(remote, prefix_caching=False),
+                         local_is_decode=local_is_decode, settings=NO_PC) == 1
+
+
 def test_v4_equal_ppl_allows_prefix_caching():
     # Qwen3-Next, align 16: ppl 66 at TP1 and TP2 (§2.4) -> prefix caching may stay on
     model, d, p = _pair("qwen3-next-80b", d_tp=2, p_tp=1, d_block=16, p_block=16, num_blocks=1)
@@ -241,9 +266,9 @@ def test_v7_stride_smaller_than_block_len():
 def test_v7_num_blocks_across_remote_ranks():
     _, _, p0 = _pair("kimi-linear-48b", d_tp=1, p_tp=2, num_blocks=2)
     p1 = replace(p0, tp_rank=1, num_blocks=45)
-    validate_remote_ranks([p0, replace(p0, tp_rank=1)], expected_engine="p")
+    validate_remote_ranks({0: p0, 1: replace(p0, tp_rank=1)}, expected_engine="p")
     with pytest.raises(HandshakeError) as exc:
-        validate_remote_ranks([p0, p1], expected_engine="p")
+        validate_remote_ranks({0: p0, 1: p1}, expected_engine="p")
     assert exc.value.rule == "V7"
     assert "30" in str(exc.value) and "45" in str(exc.value)
 
@@ -251,7 +276,7 @@ def test_v7_num_blocks_across_remote_ranks():
 def test_v8_unexpected_engine_id():
     _, _, p0 = _pair("kimi-linear-48b", d_tp=1, p_tp=1, num_blocks=1)
     with pytest.raises(HandshakeError) as exc:
-        validate_remote_ranks([p0], expected_engine="other")
+        validate_remote_ranks({0: p0}, expected_engine="other")
     assert exc.value.rule == "V8"
 
 
