@@ -17,7 +17,7 @@ __all__ = ["main"]
 
 EXIT_OK, EXIT_EXPECTATION, EXIT_INPUT = 0, 1, 2
 _EXIT_HELP = ("Exit status: 0 = every scenario met its [expect], 1 = one did not, 2 = bad "
-              "input.")
+              "input, or a run that could not start (a rank could not register its cache).")
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -25,11 +25,12 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from .fabric import PlacementError, ProfileError
     from .fabric.links import FabricError
     from .geometry.specs import GeometryError
+    from .pd.records import RankSetupError
     from .scenario import ScenarioError
     from .shards import SelectionError
 
     return (ScenarioError, GeometryError, ProfileError, PlacementError, FabricError, TPError,
-            SelectionError)
+            SelectionError, RankSetupError)
 
 
 def _load(path: str) -> list[Any]:

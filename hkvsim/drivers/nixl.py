@@ -75,7 +75,7 @@ from ..pd.ops import (
     outcome_from_wire,
     reply_value_from_wire,
 )
-from ..pd.records import RunResult
+from ..pd.records import RankSetupError, RunResult
 from ..scenario import Scenario
 
 __all__ = ["NixlRunOptions", "NixlRunError", "NixlDriver", "run_scenario_nixl", "run_for_cli",
@@ -90,6 +90,10 @@ COORDINATOR_FAULTS = ("abort-request", "expire-lease-early")
 
 class NixlRunError(RuntimeError):
     """The run could not start or could not be carried out (not a request failure)."""
+
+
+class NixlRankSetupError(NixlRunError, RankSetupError):
+    """A rank process failed while setting up its connector (registration, its local lists)."""
 
 
 class _RankDied(Exception):
@@ -298,7 +302,9 @@ class NixlDriver:
             try:
                 await asyncio.gather(*(self._command(r, "clock", epoch=float(epoch))
                                        for r in self.ranks))
-            except (_RankDied, _WaitTimeout, _CommandFailed) as exc:
+            except _RankDied as exc:
+                raise NixlRankSetupError(f"rank setup failed: {exc}") from None
+            except (_WaitTimeout, _CommandFailed) as exc:
                 raise NixlRunError(f"startup failed: {exc}") from None
             result = await self._run_workload()
             ok = not self._failure
@@ -381,7 +387,7 @@ class NixlDriver:
             raise NixlRunError(f"rank(s) did not finish setup within {deadline} s: "
                                f"{', '.join(missing)}") from None
         except _RankDied as exc:
-            raise NixlRunError(f"rank setup failed: {exc}") from None
+            raise NixlRankSetupError(f"rank setup failed: {exc}") from None
         for r in self.ranks:
             self.coord.set_rank_info(r.key, payload=r.payload, agent=r.agent,
                                      agent_metadata=r.agent_metadata)
@@ -600,6 +606,10 @@ class NixlDriver:
         for fut in r.pending.values():
             if not fut.done():
                 fut.set_exception(_RankDied(reason))
+        for fut in (r.hello, r.ready):  # a startup wait ends at once, not at its deadline
+            if fut is not None and not fut.done():
+                fut.set_exception(_RankDied(reason))
+                fut.add_done_callback(_consume)  # nobody may be waiting for it any more
         r.pending.clear()
         for call_id, (who, _) in list(self._calls.items()):
             if who is r:  # the coordinator answers them itself on the Died event

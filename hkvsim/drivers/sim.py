@@ -30,7 +30,7 @@ from ..pd.deployment import build_deployment
 from ..pd.ops import Connect, ConnectNotifyOnly, Died, RankError, RankId, Reply, StartRead, StartWrite
 from ..pd.pool import FREE_BLOCK
 from ..pd.rank import RankExecutor
-from ..pd.records import RequestRecord, RunResult
+from ..pd.records import RankSetupError, RequestRecord, RunResult
 from ..scenario import Scenario
 from ..transport.base import TransportError
 from ..transport.sim import SimWorld
@@ -74,7 +74,11 @@ class SimDriver:
                 worker = ConnectorWorker(engine_id=spec.engine_id, role=spec.role, tp_rank=r,
                                          layout=spec.layout, transport=transport,
                                          settings=settings, device_id=r)
-                memory = worker.register(mem_type=profile.memory)
+                try:
+                    memory = worker.register(mem_type=profile.memory)
+                except TransportError as exc:  # as a NIXL rank process fails at setup
+                    raise RankSetupError(f"rank setup failed: {spec.engine_id} rank {r}: "
+                                         f"{type(exc).__name__}: {exc}") from None
                 self.ranks[rank] = RankExecutor(rank, worker, oracle)
                 self._agent_rank[transport.name] = rank
                 self._base[rank] = memory.base_addr

@@ -15,7 +15,14 @@ import numpy as np
 from ..geometry.layout import EngineLayout
 from ..scenario import Scenario
 
-__all__ = ["RequestRecord", "RunResult", "DecodeJob"]
+__all__ = ["RequestRecord", "RunResult", "DecodeJob", "RankSetupError"]
+
+
+class RankSetupError(RuntimeError):
+    """A rank's connector could not set itself up (e.g. the transport refused to prepare its
+    local descriptor list because it lies outside the memory it registered): the run cannot
+    start. Raised by every driver with the rank and the transport's reason, so a connector bug
+    that breaks registration fails loudly, the same way on every backend."""
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,8 @@ import numpy as np
 
 __all__ = ["DONE", "PROC", "ERR", "MEM_TYPES", "TransportError", "Memory", "XferTelemetry",
            "Transport", "AgentAnnouncement", "PeerRegistrations", "check_descriptor_array",
-           "check_handle", "check_mem_type", "check_paired_ids", "check_strided_array",
+           "check_handle", "check_mem_type", "check_paired_ids", "check_prep_descriptors",
+           "check_strided_array", "registration_problem",
            "decode_agent_metadata", "encode_agent_metadata", "expand_strided", "overlapping"]
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
@@ -273,22 +274,42 @@ class PeerRegistrations:
 
     def problem(self, agent: str, descs: np.ndarray) -> str | None:
         """Why ``descs`` (N, 3) do not all lie in memory ``agent`` announced, or None."""
-        if descs.shape[0] == 0:
-            return None
         ranges = self._ranges.get(agent, np.zeros((0, 3), dtype=np.uint64))
-        addr, length, dev = descs[:, 0:1], descs[:, 1:2], descs[:, 2:3]
-        end = addr + length
-        inside = ((end >= addr) & (addr >= ranges[None, :, 0])
-                  & (end <= ranges[None, :, 0] + ranges[None, :, 1])
-                  & (dev == ranges[None, :, 2])).any(axis=1)
-        if inside.all():
-            return None
-        i = int(np.flatnonzero(~inside)[0])
-        announced = ", ".join(f"[{int(lo):#x}, {int(lo + n):#x}) device {int(d)}"
-                              for lo, n, d in ranges[:4]) or "none"
-        return (f"descriptor {i} ({int(descs[i, 0]):#x}, {int(descs[i, 1])} B, device "
-                f"{int(descs[i, 2])}) is outside the memory remote agent {agent} has registered "
-                f"(announced: {announced}{', ...' if ranges.shape[0] > 4 else ''})")
+        return registration_problem(descs, ranges,
+                                    whose=f"the memory remote agent {agent} has registered")
+
+
+def registration_problem(descs: np.ndarray, ranges: np.ndarray, *, whose: str) -> str | None:
+    """Why ``descs`` (N, 3) (addr, len, device) do not all lie inside ``ranges`` (K, 3)
+    (base, len, device), or None. One check for local lists (a transport's own registrations)
+    and remote ones (what a peer announced), on every transport."""
+    if descs.shape[0] == 0:
+        return None
+    ranges = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
+    addr, length, dev = descs[:, 0:1], descs[:, 1:2], descs[:, 2:3]
+    end = addr + length
+    inside = ((end >= addr) & (addr >= ranges[None, :, 0])
+              & (end <= ranges[None, :, 0] + ranges[None, :, 1])
+              & (dev == ranges[None, :, 2])).any(axis=1)
+    if inside.all():
+        return None
+    i = int(np.flatnonzero(~inside)[0])
+    listed = ", ".join(f"[{int(lo):#x}, {int(lo + n):#x}) device {int(d)}"
+                       for lo, n, d in ranges[:4]) or "none"
+    return (f"descriptor {i} ({int(descs[i, 0]):#x}, {int(descs[i, 1])} B, device "
+            f"{int(descs[i, 2])}) is outside {whose} "
+            f"(registered: {listed}{', ...' if ranges.shape[0] > 4 else ''})")
+
+
+def check_prep_descriptors(descs: np.ndarray, *, what: str) -> np.ndarray:
+    """A list to prepare: a well-formed (N, 3) array with no zero-length descriptor (NIXL
+    accepts one silently; both transports refuse it)."""
+    arr = np.ascontiguousarray(check_descriptor_array(descs, what=what), dtype=np.uint64)
+    if arr.shape[0] and (arr[:, 1] == 0).any():
+        i = int(np.flatnonzero(arr[:, 1] == 0)[0])
+        raise TransportError(f"{what}: descriptor {i} has length 0 (NIXL accepts it "
+                             f"silently; we refuse it)")
+    return arr
 
 
 @runtime_checkable

@@ -64,11 +64,13 @@ from .base import (
     check_handle,
     check_mem_type,
     check_paired_ids,
+    check_prep_descriptors,
     check_strided_array,
     decode_agent_metadata,
     encode_agent_metadata,
     expand_strided,
     overlapping,
+    registration_problem,
 )
 from .memory import lazy_buffer
 
@@ -322,13 +324,10 @@ class NixlTransport:
             inside = (addr >= r.lo) & (end <= r.hi)
             if inside.all():
                 return r.memory, None
-        regs = ", ".join(f"[{r.lo:#x}, {r.hi:#x})" for r in self._registrations) or "none"
-        for i in range(descs.shape[0]):
-            a, e = int(addr[i]), int(end[i])
-            if not any(r.lo <= a and e <= r.hi for r in self._registrations):
-                return None, (f"descriptor {i} ({a:#x}, {int(descs[i, 1])} B) is outside the "
-                              f"registered memory (registered: {regs})")
-        return None, "descriptors span more than one registration"  # pragma: no cover
+        ranges = np.array([(r.lo, r.hi - r.lo, r.memory.device_id) for r in self._registrations],
+                          dtype=np.uint64).reshape(-1, 3)
+        problem = registration_problem(descs, ranges, whose="the registered memory")
+        return None, problem or "descriptors span more than one registration"
 
     # ---- peers ---------------------------------------------------------------------------
     def get_agent_metadata(self) -> bytes:
@@ -396,11 +395,7 @@ class NixlTransport:
         what = f"{self.name}: prep_xfer_dlist({'local' if not agent else agent})"
         if mem_type is not None:
             check_mem_type(mem_type, what=what)
-        arr = np.ascontiguousarray(check_descriptor_array(descs, what=what), dtype=np.uint64)
-        if arr.shape[0] and (arr[:, 1] == 0).any():
-            i = int(np.flatnonzero(arr[:, 1] == 0)[0])
-            raise TransportError(f"{what}: descriptor {i} has length 0 (NIXL accepts it "
-                                 f"silently; we refuse it)")
+        arr = check_prep_descriptors(descs, what=what)
         memory = None
         if agent:
             if agent not in self._remotes:

@@ -32,11 +32,13 @@ from .base import (
     check_handle,
     check_mem_type,
     check_paired_ids,
+    check_prep_descriptors,
     check_strided_array,
     decode_agent_metadata,
     encode_agent_metadata,
     expand_strided,
     overlapping,
+    registration_problem,
 )
 from .memory import copy_ranges, lazy_buffer
 
@@ -211,6 +213,11 @@ class SimTransport:
     def _extent(self, memory: Memory) -> tuple[int, int, int]:
         return memory.base_addr, self._sizes.get(id(memory), memory.nbytes), memory.device_id
 
+    def _own_registration_problem(self, descs: np.ndarray) -> str | None:
+        regions = [self._extent(m) for m in self.world.agent(self.name).memories]
+        return registration_problem(descs, np.array(regions, dtype=np.uint64).reshape(-1, 3),
+                                    whose="the registered memory")
+
     def register_memory(self, memory: Memory) -> None:
         agent = self.world.agent(self.name)
         if memory not in agent.memories:
@@ -265,15 +272,17 @@ class SimTransport:
         what = f"{self.name}: prep_xfer_dlist({agent or 'local'})"
         if mem_type is not None:
             check_mem_type(mem_type, what=what)
-        arr = check_descriptor_array(descs, what=what)
+        arr = check_prep_descriptors(descs, what=what)
         owner = agent or self.name
         if agent and agent not in self._remotes:
             raise TransportError(f"{self.name}: prep_xfer_dlist for unknown remote agent {agent!r} "
                                  f"(add_remote_agent first)")
         if agent:
             problem = self._peers.problem(agent, arr)
-            if problem is not None:
-                raise TransportError(f"{what}: {problem}")
+        else:  # a local list must lie in our own registered memory, as NIXL checks it
+            problem = self._own_registration_problem(arr)
+        if problem is not None:
+            raise TransportError(f"{what}: {problem}")
         handle = next(self._ids)
         self._dlists[handle] = _DList(agent=owner, descs=arr)
         return handle
@@ -338,6 +347,11 @@ class SimTransport:
                 i = int(np.flatnonzero(ld[:, 1] != rd[:, 1])[0])
                 raise TransportError(f"{self.name}: descriptor pair {i} has local length "
                                      f"{int(ld[i, 1])} but remote length {int(rd[i, 1])}")
+        if ld.shape[0] and (ld[:, 1] == 0).any():
+            raise TransportError(f"{self.name}: make_xfer: a descriptor has length 0")
+        problem = self._own_registration_problem(ld)
+        if problem is not None:
+            raise TransportError(f"{self.name}: make_xfer local side: {problem}")
         problem = self._peers.problem(remote_agent, rd)
         if problem is not None:
             raise TransportError(f"{self.name}: make_xfer remote: {problem}")

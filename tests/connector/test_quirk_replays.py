@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+from hkvsim.pd.records import RankSetupError
+
 from ._helpers import run, scenario_text
 
 CASES = [
     # §3.2: first-registered-wins. The KDA view wins every KimiLinear-style region: attention
     # descriptor k addresses k x unified page, out of range beyond num_blocks/ppl -> the
-    # transport refuses the remote list outside the peer's registered memory when it is
-    # prepared (NIXL: NOT_FOUND), so the handshake fails; or the requests fail or corrupt.
-    pytest.param("first-registration-mla-flag", 2, 1, "0", False,
-                 {"handshake-error", "request-failure", "corruption"},
+    # transport refuses the rank's own list (outside its registered memory) when the connector
+    # prepares it at registration, on both backends (NIXL: NOT_FOUND): the run cannot start.
+    pytest.param("first-registration-mla-flag", 2, 1, "0", False, {"rank-setup-refused"},
                  id="first-registration-mla-flag"),
     # §6: remote ids expanded with the local ppl (Qwen3.5 4P2D)
     pytest.param("local-ppl-remote-expansion", 1, 2, "0", False,
@@ -37,6 +38,10 @@ def _text(quirk, p_tp, d_tp, hits, prefix_caching):
 
 @pytest.mark.parametrize("quirk,p_tp,d_tp,hits,prefix_caching,caught", CASES)
 def test_quirk_is_caught(quirk, p_tp, d_tp, hits, prefix_caching, caught):
+    if caught == {"rank-setup-refused"}:
+        with pytest.raises(RankSetupError, match="outside the registered memory"):
+            run(_text(quirk, p_tp, d_tp, hits, prefix_caching))
+        return
     result = run(_text(quirk, p_tp, d_tp, hits, prefix_caching))
     assert result.outcome in caught
     assert result.hung == 0

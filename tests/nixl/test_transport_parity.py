@@ -199,3 +199,31 @@ def test_agent_metadata_is_decoded_strictly(pair: Pair, blob: bytes, why: str) -
     with pytest.raises(TransportError, match=f"bad agent metadata: .*{why}") as exc:
         pair.a.add_remote_agent(blob)
     assert exc.value.kind == "handshake_failed"
+
+
+def test_a_local_list_outside_registered_memory_is_refused_at_prep(pair: Pair) -> None:
+    """NIXL checks a local list against the agent's registrations when it is prepared (the
+    first-registration-mla-flag quirk ends there on real NIXL); the simulator must too."""
+    inside = _descs(pair.ma.base_addr, [0, KIB])
+    pair.a.release_dlist_handle(pair.a.prep_xfer_dlist("", inside))
+    past_end = _descs(pair.ma.base_addr, [0, pair.ma.nbytes])  # the second starts at the end
+    with pytest.raises(TransportError, match="descriptor 1 .* is outside the registered memory"):
+        pair.a.prep_xfer_dlist("", past_end)
+
+
+def test_a_zero_length_descriptor_is_refused_at_prep(pair: Pair) -> None:
+    descs = _descs(pair.ma.base_addr, [0, KIB])
+    descs[1, 1] = 0
+    with pytest.raises(TransportError, match="descriptor 1 has length 0"):
+        pair.a.prep_xfer_dlist("", descs)
+    remote = _descs(pair.mb.base_addr, [0, KIB])
+    remote[0, 1] = 0
+    with pytest.raises(TransportError, match="descriptor 0 has length 0"):
+        pair.a.prep_xfer_dlist(pair.name, remote)
+
+
+def test_an_unprepped_transfer_checks_its_local_side_too(pair: Pair) -> None:
+    local = _descs(pair.ma.base_addr, [pair.ma.nbytes])  # just past the registered memory
+    remote = _descs(pair.mb.base_addr, [0])
+    with pytest.raises(TransportError, match="local side: .*outside the registered memory"):
+        pair.a.make_xfer("READ", local, pair.name, remote)
