@@ -306,10 +306,11 @@ def _sweep_table(data: list[dict[str, Any]], scenarios: list[Any], *, shard: str
         p50 = row["transfer_p50_ms"]
         table.add_row(escape(label), row["outcome"],
                       "[green]met[/]" if row["met"] else "[red]NOT MET[/]", row["requests"],
-                      checked, f"{row['descriptors']:,}", "-" if p50 is None else f"{p50:.3f} ms")
+                      checked, f"{row['descriptors']:,}>"
+                      + ("?" if row["coalesced"] is None else f"{row['coalesced']:,}"),
+                      "-" if p50 is None else f"{p50:.3f} ms")
     renamed = [f"{v} = {k}" for k, v in short.items() if v != k]
-    if renamed:
-        table.caption = escape("; ".join(renamed))
+    table.caption = escape("; ".join(renamed + ["descriptors: planned>after NIXL coalescing"]))
     return table
 
 

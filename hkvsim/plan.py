@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .drivers.sim import SimDriver
+from .results import coalesced_descriptors, posted_descriptors
 from .scenario import Scenario
 
 __all__ = ["plan_scenario"]
@@ -36,6 +37,8 @@ def plan_scenario(scenario: Scenario) -> dict[str, Any]:
             "prefix_hit_tokens": r.prefix_hit_tokens,
             "effective_prefix_hit_tokens": r.effective_prefix_hit_tokens,
             "descriptors": r.descriptors,
+            "descriptors_posted": posted_descriptors(r.telemetry),
+            "descriptors_coalesced": coalesced_descriptors(r.telemetry),
             "bytes": r.nbytes, "transfers": r.transfers, "status": r.status,
         }
         if "transfer_done" in r.times:

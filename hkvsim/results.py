@@ -10,7 +10,8 @@ import numpy as np
 
 from .pd.records import RunResult
 
-__all__ = ["NOT_VERIFIED", "clock", "expectation_problems", "result_json", "summary_row",
+__all__ = ["NOT_VERIFIED", "clock", "coalesced_descriptors", "descriptor_counts",
+           "expectation_problems", "posted_descriptors", "result_json", "summary_row",
            "transfer_span", "verification"]
 
 # the reason a run that moved no bytes (or did not check them) cannot meet byte_exact = true
@@ -33,6 +34,38 @@ def transfer_span(times: Mapping[str, float], telemetry: Sequence[Mapping[str, A
     if "transfer_done" not in times or not starts:
         return None
     return max(times["transfer_done"] - min(starts), 0.0)
+
+
+def posted_descriptors(telemetry: Sequence[Mapping[str, Any]]) -> int:
+    """Descriptors a request handed to the backend (rows of its transfers, as posted)."""
+    return sum(int(t["descriptors"]) for t in telemetry)
+
+
+def coalesced_descriptors(telemetry: Sequence[Mapping[str, Any]]) -> int | None:
+    """Descriptors the backend posted after NIXL's own coalescing (pairs adjacent on both
+    sides merge); None when a transfer's backend did not report it (real NIXL without
+    telemetry)."""
+    counts = [t.get("coalesced") for t in telemetry]
+    if any(c is None for c in counts):
+        return None
+    return sum(int(c) for c in counts)
+
+
+def descriptor_counts(requests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Totals of the three descriptor counts over ``requests`` (records as dicts): the per-block
+    plan (``descriptors``), what was posted, what NIXL posted after coalescing (None if any
+    request's is unknown), and the distribution of coalesced descriptors per request."""
+    coalesced = [coalesced_descriptors(r["telemetry"]) for r in requests]
+    known = None if any(c is None for c in coalesced) else [int(c) for c in coalesced]
+    dist: dict[str, float] = {}
+    if known:
+        arr = np.asarray(known, dtype=np.float64)
+        dist = {"min": float(arr.min()), "p50": float(np.percentile(arr, 50)),
+                "p90": float(np.percentile(arr, 90)), "max": float(arr.max())}
+    return {"descriptors": sum(int(r["descriptors"]) for r in requests),
+            "descriptors_posted": sum(posted_descriptors(r["telemetry"]) for r in requests),
+            "descriptors_coalesced": None if known is None else sum(known),
+            "coalesced_per_request": dist}
 
 
 def verification(result: RunResult) -> str:
@@ -145,6 +178,8 @@ def result_json(result: RunResult, *, requests: bool = False,
     recs = result.records
     checked = result.verified
     spans = [transfer_span(r.times, r.telemetry) for r in recs if r.status == "ok"]
+    counts = descriptor_counts([{"descriptors": r.descriptors, "telemetry": r.telemetry}
+                                for r in recs if r.telemetry])
     transfer = [t for t in spans if t is not None]
     out: dict[str, Any] = {
         "scenario": result.scenario.scenario.name,
@@ -172,6 +207,9 @@ def result_json(result: RunResult, *, requests: bool = False,
             "freed_by_lease": sum(r.freed_by_lease for r in recs),
             "recomputed": sum(r.recovered_from is not None for r in recs),
             "descriptors": sum(r.descriptors for r in recs),
+            "descriptors_posted": counts["descriptors_posted"],
+            "descriptors_coalesced": counts["descriptors_coalesced"],
+            "coalesced_per_request": counts["coalesced_per_request"],
             "bytes": sum(r.nbytes for r in recs),
             "transfers": sum(r.transfers for r in recs),
         },
@@ -213,6 +251,7 @@ def summary_row(data: dict[str, Any]) -> dict[str, Any]:
         "corrupted": req["corrupted"],
         "mismatched_bytes": req["mismatched_bytes"],
         "descriptors": req["descriptors"],
+        "coalesced": req.get("descriptors_coalesced"),
         "transfer_p50_ms": 1e3 * data["time"]["transfer_seconds"]["p50"]
         if data["time"]["transfer_seconds"] else None,
     }

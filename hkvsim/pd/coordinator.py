@@ -1201,7 +1201,7 @@ class Coordinator:
                 rec.telemetry.append({
                     "nbytes": t.nbytes, "descriptors": t.descriptors, "submitted": t.submitted,
                     "post_seconds": t.post_seconds, "transfer_seconds": t.transfer_seconds,
-                    "completed": t.completed, "path": list(t.path)})
+                    "completed": t.completed, "path": list(t.path), "coalesced": t.coalesced})
 
     # ---- helpers for drivers ----------------------------------------------------------------
     @staticmethod

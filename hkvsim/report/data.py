@@ -288,6 +288,12 @@ def breakdown(variant: Variant, req: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _coalesced(req: dict[str, Any]) -> int | None:
+    from ..results import coalesced_descriptors
+
+    return coalesced_descriptors(req["telemetry"])
+
+
 def request_rows(variants: list[Variant]) -> list[dict[str, Any]]:
     """One flat row per completed request (the tables and most plots read these)."""
     rows = []
@@ -304,6 +310,7 @@ def request_rows(variants: list[Variant]) -> list[dict[str, Any]]:
                 "effective_hit_tokens": req.get("effective_prefix_hit_tokens"),
                 "descriptors": req["descriptors"],
                 "posted": sum(x["descriptors"] for x in req["telemetry"]),
+                "coalesced": _coalesced(req),
                 "nbytes": req["nbytes"], "transfers": req["transfers"], "transfer": tt,
                 "breakdown": breakdown(v, req)})
     return rows
