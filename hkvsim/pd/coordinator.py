@@ -191,6 +191,18 @@ class _Request:
         self.phase = phase
 
 
+
+def _pool(scenario: Any, role: str, instance: int, layout: Any) -> EnginePool:
+    """Engine ``instance`` of ``role``'s block pool, its block ids as the scenario asks (a
+    warmed pool is churned by a seeded warm-up, one stream per engine)."""
+    section = getattr(scenario, role)
+    seed = np.random.SeedSequence([scenario.scenario.seed, ROLES_ORDER.index(role), instance])
+    return EnginePool(layout, block_ids=section.block_ids, warmup=section.warmup,
+                      seed=int(seed.generate_state(1)[0]))
+
+
+ROLES_ORDER = ("prefill", "decode")
+
 class Coordinator:
     """One run's request lifecycle (see the module docstring)."""
 
@@ -201,8 +213,9 @@ class Coordinator:
         self.faults = faults  # hkvsim.faults.FaultPlan: abort-request, expire-lease-early
         self.sched = Scheduler()
         self.engines: dict[str, list[_Engine]] = {
-            role: [_Engine(spec=spec, pool=EnginePool(spec.layout), freed=self.sched.signal())
-                   for spec in specs] for role, specs in deployment.engines.items()}
+            role: [_Engine(spec=spec, pool=_pool(self.scenario, role, i, spec.layout),
+                           freed=self.sched.signal())
+                   for i, spec in enumerate(specs)] for role, specs in deployment.engines.items()}
         self._by_id = {e.engine_id: e for es in self.engines.values() for e in es}
         self.records: list[RequestRecord] = []
         self._requests: list[_Request] = []

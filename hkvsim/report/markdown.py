@@ -78,6 +78,37 @@ def _summary(variants: list[Variant]) -> str:
                   "descriptors posted", "after NIXL coalescing", "GB moved"], out)
 
 
+def _coalescing_section(variants: list[Variant], limit: int = 40) -> list[str]:
+    """Per variant: descriptors posted and left after NIXL's coalescing, and how the coalesced
+    count is spread over requests (it follows how fragmented the block ids are)."""
+    from ..results import descriptor_counts
+
+    rows = []
+    for v in variants:
+        ok = [r for r in v.ok_requests() if r["telemetry"]]
+        if not ok:
+            continue
+        c = descriptor_counts(ok)
+        d = c["coalesced_per_request"]
+        rows.append([v.name, len(ok), f"{c['descriptors_posted']:,}",
+                     _count(c["descriptors_coalesced"])]
+                    + ([f"{d[k]:,.0f}" for k in ("min", "p50", "p90", "max")] if d
+                       else ["-"] * 4))
+    if not rows:
+        return []
+    shown = rows[:limit]
+    text = ["", "## Descriptors after NIXL coalescing", "",
+            "NIXL merges every run of descriptor pairs adjacent on both sides (prepared and "
+            "strided transfers), so what a request pays per descriptor follows how scattered "
+            "its block ids are (`[prefill]`/`[decode] block_ids`: `fresh` or `warmed`), not "
+            "how many descriptors the connector posts.", "",
+            table(["variant", "requests", "posted", "after coalescing", "per request: min",
+                   "p50", "p90", "max"], shown)]
+    if len(rows) > limit:
+        text += ["", f"({len(rows) - limit} more variant(s) in `report.json` / `run --json`.)"]
+    return text
+
+
 def _coalesced_total(requests: list[dict[str, Any]]) -> int | None:
     from ..results import descriptor_counts
 
@@ -515,6 +546,7 @@ def page(*, title: str, command: str, variants: list[Variant], rows: list[dict[s
     merge = _merge_section(comparison, figures.get("merge"), measured)
     if merge:
         parts += ["", merge]
+    parts += _coalescing_section(variants)
     parts += ["", "## Simulated vs measured", ""]
     if figures.get("calibration"):
         by_source: dict[str, list[dict[str, Any]]] = defaultdict(list)
