@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .drivers.sim import SimDriver
-from .results import coalesced_descriptors, posted_descriptors
+from .results import coalesced_descriptors, posted_descriptors, request_timing
 from .scenario import Scenario
 
 __all__ = ["plan_scenario"]
@@ -41,9 +41,12 @@ def plan_scenario(scenario: Scenario) -> dict[str, Any]:
             "descriptors_coalesced": coalesced_descriptors(r.telemetry),
             "bytes": r.nbytes, "transfers": r.transfers, "status": r.status,
         }
-        if "transfer_done" in r.times:
-            entry["predicted_transfer_seconds"] = r.times["transfer_done"] - r.times[
-                "transfer_start"]
+        timing = request_timing(r.times, r.telemetry, scenario.connector.mode)
+        if timing["transfer_seconds"] is not None:
+            # the same definition as run/sweep/report: first post -> transfer done, handshake
+            # apart (results.request_timing)
+            entry["predicted_transfer_seconds"] = timing["transfer_seconds"]
+            entry["predicted_phases"] = timing["phases"]
         if r.reason:
             entry["error"] = r.reason
         requests.append(entry)

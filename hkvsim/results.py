@@ -10,9 +10,13 @@ import numpy as np
 
 from .pd.records import RunResult
 
-__all__ = ["NOT_VERIFIED", "clock", "coalesced_descriptors", "descriptor_counts",
-           "expectation_problems", "posted_descriptors", "result_json", "summary_row",
-           "transfer_span", "verification"]
+__all__ = ["NOT_VERIFIED", "PHASES", "clock", "coalesced_descriptors", "descriptor_counts",
+           "expectation_problems", "phases", "posted_descriptors", "request_timing",
+           "result_json", "summary_row", "transfer_span", "verification"]
+
+#: The phases of one request's transfer time, reported apart by every command (plan, run,
+#: sweep, report), in plotting order.
+PHASES = ("handshake", "post wait", "post", "wire", "notification")
 
 # the reason a run that moved no bytes (or did not check them) cannot meet byte_exact = true
 NOT_VERIFIED = ("[expect] byte_exact = true, but no byte was verified (a timing-only run: "
@@ -34,6 +38,42 @@ def transfer_span(times: Mapping[str, float], telemetry: Sequence[Mapping[str, A
     if "transfer_done" not in times or not starts:
         return None
     return max(times["transfer_done"] - min(starts), 0.0)
+
+
+def phases(times: Mapping[str, float], telemetry: Sequence[Mapping[str, Any]], mode: str
+           ) -> dict[str, float]:
+    """Seconds per phase of one request, along its critical (last-completing) transfer:
+    *handshake* (the lazy handshakes this request ran: decode's with prefill in pull; in push
+    decode's notification-only one and prefill's reverse one; first request of a pair only),
+    *post wait* (queued behind the rank's posting thread), *post* (launch + coalesced
+    descriptors x per-descriptor cost), *wire* (bytes on the shared links + path latency) and
+    *notification* (data complete -> the peer knows: prefill frees in pull, decode completes in
+    push). The handshake is never part of :func:`transfer_span`; the notification is in push
+    (decode completes on it) and after it in pull."""
+    out = dict.fromkeys(PHASES, 0.0)
+    out["handshake"] = float(times.get("handshake", 0.0))
+    tel = [x for x in telemetry if x.get("completed") is not None]
+    if not tel:
+        return out
+    crit = max(tel, key=lambda x: x["completed"])
+    post_end = crit["completed"] - crit["transfer_seconds"]
+    post_start = post_end - crit["post_seconds"]
+    out["post wait"] = max(0.0, post_start - crit["submitted"])
+    out["post"] = float(crit["post_seconds"])
+    out["wire"] = float(crit["transfer_seconds"])
+    end = times.get("prefill_freed") if mode == "pull" else times.get("transfer_done")
+    if end is not None:
+        out["notification"] = max(0.0, end - crit["completed"])
+    return out
+
+
+def request_timing(times: Mapping[str, float], telemetry: Sequence[Mapping[str, Any]],
+                   mode: str) -> dict[str, Any]:
+    """One request's transfer time as every command reports it: ``transfer_seconds``
+    (:func:`transfer_span`, None when nothing was transferred) and its ``phases``
+    (:func:`phases`, keys with underscores)."""
+    return {"transfer_seconds": transfer_span(times, telemetry),
+            "phases": {k.replace(" ", "_"): v for k, v in phases(times, telemetry, mode).items()}}
 
 
 def posted_descriptors(telemetry: Sequence[Mapping[str, Any]]) -> int:
@@ -178,6 +218,10 @@ def result_json(result: RunResult, *, requests: bool = False,
     recs = result.records
     checked = result.verified
     spans = [transfer_span(r.times, r.telemetry) for r in recs if r.status == "ok"]
+    mode = result.scenario.connector.mode
+    done_phases = [phases(r.times, r.telemetry, mode) for r in recs
+                   if r.status == "ok" and any(t.get("completed") is not None
+                                               for t in r.telemetry)]
     counts = descriptor_counts([{"descriptors": r.descriptors, "telemetry": r.telemetry}
                                 for r in recs if r.telemetry])
     transfer = [t for t in spans if t is not None]
@@ -230,12 +274,14 @@ def result_json(result: RunResult, *, requests: bool = False,
             "transfer_seconds": _stats(transfer),
             "handshake_seconds": _stats([r.times["handshake"] for r in recs
                                          if "handshake" in r.times]),
-            "post_seconds": _stats([r.times["post"] for r in recs if "post" in r.times]),
-            "wire_seconds": _stats([r.times["wire"] for r in recs if "wire" in r.times]),
+            # along each completed request's critical transfer (results.phases)
+            **{f"{k.replace(' ', '_')}_seconds": _stats([p[k] for p in done_phases])
+               for k in PHASES[1:]},
         },
     }
     if requests:
-        out["request_details"] = [r.as_dict() for r in recs]
+        out["request_details"] = [{**r.as_dict(), **request_timing(r.times, r.telemetry, mode)}
+                                  for r in recs]
     return out
 
 

@@ -698,7 +698,8 @@ class Coordinator:
                 pair = (f"{local.engine_id} {arrow} {remote.engine_id}" if local.role == "decode"
                         else f"{remote.engine_id} <- {local.engine_id} (push)")
                 self.handshake_errors.append(f"{pair}: {error}")
-            rec.times["handshake"] = self.now - start
+            # a push request runs two: decode's notification-only one and prefill's reverse one
+            rec.times["handshake"] = rec.times.get("handshake", 0.0) + self.now - start
             event.succeed(error)
         elif not event.triggered:
             yield event
@@ -810,9 +811,11 @@ class Coordinator:
         if event is None:  # decode's notification-only handshake: agents, no descriptors
             event = self.sched.signal()
             decode.connections[key] = event
+            start = self.now
             reply = yield self._call(first, ConnectNotifyOnly(
                 remote_engine=prefill.engine_id,
                 agent_metadata=tuple(prefill.agent_metadata[r] for r in range(prefill.tp))))
+            rec.times["handshake"] = rec.times.get("handshake", 0.0) + self.now - start
             event.succeed(None if reply.error is None else reply.error.message)
         elif not event.triggered:
             yield event

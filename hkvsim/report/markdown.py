@@ -437,11 +437,14 @@ def _input_section(section: dict[str, Any], variants: list[Variant], level: str)
                          f"{state} state bytes / request / rank", "crossover (tokens)"], body)]
     if figures.get("breakdown"):
         parts += ["", f"{level} Time breakdown", "", f"![time breakdown]({figures['breakdown']})",
-                  "", "Along each request's last-completing transfer: *handshake* (lazy, first "
-                  "request of a pair only), *post wait* (queued behind the rank's posting "
-                  "thread), *post* (launch + descriptors x per-descriptor cost), *wire* (bytes "
-                  "on the shared links + path latency), *notification* (data complete -> prefill "
-                  "frees in pull, decode completes in push).", "", _breakdown_table(primary)]
+                  "", "Along each request's last-completing transfer (the definition `plan`, "
+                  "`run` and `sweep` report too): *handshake* (lazy, first request of a pair "
+                  "only; push runs decode's notification-only and prefill's reverse one), *post "
+                  "wait* (queued behind the rank's posting thread), *post* (launch + descriptors "
+                  "after NIXL's coalescing x per-descriptor cost), *wire* (bytes on the shared "
+                  "links + path latency), *notification* (data complete -> prefill frees in "
+                  "pull, decode completes in push). Handshake and post wait are not part of the "
+                  "transfer time.", "", _breakdown_table(primary)]
     parts += _sizing_section(section["sizing"], figures.get("sizing"), level)
     return parts
 
