@@ -369,6 +369,46 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return run_calibration_cli(args)
 
 
+# ---- validate ----------------------------------------------------------------------------------
+def cmd_validate(args: argparse.Namespace) -> int:
+    import os
+    import platform
+    import time
+    from pathlib import Path
+
+    from .shards import SelectionError
+    from .transport.nixl import NixlUnavailable, load_nixl
+    from .validate import ValidationError, summary, validate, write_outputs
+
+    files = [Path(f) for f in args.files] or sorted(Path("scenarios/validation").glob("*.toml"))
+    try:
+        load_nixl()
+        results = validate(files, repeats=args.repeats,
+                           progress=lambda text: print(f"validate: {text}", file=sys.stderr))
+    except (ValidationError, NixlUnavailable) as exc:
+        raise SelectionError(str(exc)) from None
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{os.cpu_count()} CPU(s), {platform.platform()}, Python "
+                       f"{platform.python_version()}", "repeats": args.repeats}
+    if args.out:
+        for path in write_outputs(results, Path(args.out), meta):
+            print(f"wrote {path}")
+    s = summary(results)
+    if args.json:
+        _emit_json({"summary": s, "files": [
+            {"file": r.file, "sim_seconds": r.sim_seconds, "real_seconds": list(r.real_seconds),
+             "error": r.error, "spread": r.spread} for r in results]})
+    else:
+        for r in results:
+            print(f"{Path(r.file).name}: sim {r.sim_seconds * 1e3:.3f} ms, real "
+                  f"{r.real_median * 1e3:.3f} ms (spread {100 * r.spread:.0f} %), error "
+                  f"{100 * r.error:+.0f} %")
+        print(f"median |error| {100 * s['median_abs_error']:.0f} %, worst "
+              f"{100 * s['worst_abs_error']:.0f} %: acceptance "
+              f"{'met' if s['accepted'] else 'NOT met'}")
+    return EXIT_OK if s["accepted"] else EXIT_EXPECTATION
+
+
 # ---- listings ----------------------------------------------------------------------------------
 def cmd_presets(args: argparse.Namespace) -> int:
     from .geometry.layout import unify_pages
@@ -534,6 +574,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a small sweep (seconds), for smoke tests; writes nothing by default")
     p.add_argument("--json", action="store_true", help="print the fit as JSON")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("validate", help="run held-out scenario files on the simulator and on "
+                                        "real NIXL and report simulated vs real per file")
+    p.add_argument("files", nargs="*", metavar="FILE",
+                   help="scenario files without [sweep] (default: scenarios/validation/*.toml)")
+    p.add_argument("--repeats", type=int, default=3, metavar="N",
+                   help="real runs per file, interleaved across files (default: 3)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write held-out-cpu.md and held-out-cpu.json there "
+                        "(e.g. reports/fidelity)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("presets", help="list the model presets and their key numbers")
     p.add_argument("--json", action="store_true")
