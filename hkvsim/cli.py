@@ -389,7 +389,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise SelectionError(str(exc)) from None
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} CPU(s), {platform.platform()}, Python "
-                       f"{platform.python_version()}", "repeats": args.repeats}
+                       f"{platform.python_version()}", "repeats": args.repeats,
+            "source": os.path.commonpath([str(f.parent) for f in files]) + "/"}
     if args.out:
         for path in write_outputs(results, Path(args.out), meta):
             print(f"wrote {path}")

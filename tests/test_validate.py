@@ -9,14 +9,15 @@ import pytest
 
 from hkvsim.cli import main
 from hkvsim.validate import (FileResult, ValidationError, markdown, steady_transfer_median,
-                             summary, validate)
+                             steady_unexplained_median, summary, validate)
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _req(index: int, seconds: float | None, handshake: float = 0.0, status: str = "ok") -> dict:
+def _req(index: int, seconds: float | None, handshake: float = 0.0, status: str = "ok",
+         post: float = 0.0, wire: float = 0.0) -> dict:
     return {"index": index, "status": status, "transfer_seconds": seconds,
-            "phases": {"handshake": handshake}}
+            "phases": {"handshake": handshake, "post": post, "wire": wire}}
 
 
 def test_steady_state_leaves_out_handshakes_the_first_request_and_failures() -> None:
@@ -29,11 +30,18 @@ def test_steady_state_leaves_out_handshakes_the_first_request_and_failures() -> 
     assert steady_transfer_median({"request_details": [_req(0, 1.0)]}) is None
 
 
+def test_unexplained_is_transfer_minus_post_and_wire_of_steady_requests() -> None:
+    data = {"request_details": [_req(0, 9.0, post=1.0, wire=1.0), _req(1, 5.0, post=1.0, wire=2.0),
+                                _req(2, 4.0, post=0.5, wire=0.5), _req(3, 6.0, post=1.0, wire=1.0,
+                                                                       handshake=2.0)]}
+    assert steady_unexplained_median(data) == 2.5  # requests 1 (2.0) and 2 (3.0)
+
+
 def _result(sim: float, reals: tuple[float, ...], coalesced: tuple = (5, 5)) -> FileResult:
     return FileResult(file="scenarios/validation/x.toml", scenario="x", profile="p",
                       sim_seconds=sim, real_seconds=reals, loads=(0.5, 3.0, 0.1),
                       descriptors_posted=(10, 10), descriptors_coalesced=coalesced,
-                      outcomes=("ok",) * 4)
+                      outcomes=("ok",) * 4, unexplained=(0.001, 0.002, 0.004, 0.003))
 
 
 def test_error_spread_and_acceptance() -> None:
@@ -50,6 +58,7 @@ def test_error_spread_and_acceptance() -> None:
     assert summary([good])["accepted"]
     text = markdown([good, bad], {"when": "now", "machine": "m", "repeats": 3})
     assert "| `x.toml` | 1100.000 | 1000.000 |" in text and "+10 %" in text and "-50 %" in text
+    assert "| 1.000 / 3.000 |" in text  # sim, then the median of the real runs
     assert "**NOT met**" in text and "DISAGREE" in text
 
 
