@@ -105,14 +105,18 @@ def _print_plan(console: Any, plan: dict[str, Any]) -> None:
     console.print("handshake: " + ("[green]ok[/]" if hs["ok"] else f"[red]refused[/]: {hs['error']}"))
     reqs = plan["requests"]
     if reqs:
-        t = Table("request", "prompt", "hit asked", "hit reused", "descriptors", "bytes",
-                  "transfers", "predicted transfer", title="planned requests")
+        t = Table("request", "prompt", "hit asked", "hit reused", "descriptors",
+                  "after NIXL coalescing", "bytes", "transfers", "predicted transfer",
+                  title="planned requests")
         for r in reqs[:20]:
             pred = r.get("predicted_transfer_seconds")
             reused = r["effective_prefix_hit_tokens"]
             t.add_row(str(r["index"]), f"{r['prompt_tokens']:,}", f"{r['prefix_hit_tokens']:,}",
                       "-" if reused is None else f"{reused:,}",
-                      f"{r['descriptors']:,}", f"{r['bytes']:,}", str(r["transfers"]),
+                      f"{r['descriptors']:,}",
+                      "-" if r["descriptors_coalesced"] is None
+                      else f"{r['descriptors_coalesced']:,}", f"{r['bytes']:,}",
+                      str(r["transfers"]),
                       f"{pred * 1e3:.3f} ms" if pred is not None else r.get("error", "-"))
         if len(reqs) > 20:
             t.caption = f"first 20 of {len(reqs)} requests"
