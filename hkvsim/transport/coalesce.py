@@ -9,8 +9,11 @@ same list reversed -> 64; every other pair -> 32; local 0..7 against remote 0..3
 A non-prepped ``initialize_xfer`` of the same 64 adjacent pairs -> 64 (no coalescing); strided
 lists are prepared lists, so they coalesce.
 
-The simulated transport charges its posting cost per coalesced descriptor (what the backend
-posts), and reports the posted and the coalesced counts apart.
+The merge happens in NIXL's core when a transfer is made, before a backend sees it, so the rule
+is the same whatever UCX transport moves the bytes (cma, cuda_ipc, rc); only the NIXL version
+matters (``COALESCING``; 1.5.1 is the only one measured). The simulated transport charges its
+posting cost per coalesced descriptor (what the backend posts), and reports the posted and the
+coalesced counts apart.
 """
 
 from __future__ import annotations
