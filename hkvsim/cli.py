@@ -106,14 +106,18 @@ def _print_plan(console: Any, plan: dict[str, Any]) -> None:
     console.print("handshake: " + ("[green]ok[/]" if hs["ok"] else f"[red]refused[/]: {hs['error']}"))
     reqs = plan["requests"]
     if reqs:
-        t = Table("request", "prompt", "hit asked", "hit reused", "descriptors", "bytes",
-                  "transfers", "predicted transfer", title="planned requests")
+        t = Table("request", "prompt", "hit asked", "hit reused", "descriptors",
+                  "after NIXL coalescing", "bytes", "transfers", "predicted transfer",
+                  title="planned requests")
         for r in reqs[:20]:
             pred = r.get("predicted_transfer_seconds")
             reused = r["effective_prefix_hit_tokens"]
             t.add_row(str(r["index"]), f"{r['prompt_tokens']:,}", f"{r['prefix_hit_tokens']:,}",
                       "-" if reused is None else f"{reused:,}",
-                      f"{r['descriptors']:,}", f"{r['bytes']:,}", str(r["transfers"]),
+                      f"{r['descriptors']:,}",
+                      "-" if r["descriptors_coalesced"] is None
+                      else f"{r['descriptors_coalesced']:,}", f"{r['bytes']:,}",
+                      str(r["transfers"]),
                       f"{pred * 1e3:.3f} ms" if pred is not None else r.get("error", "-"))
         if len(reqs) > 20:
             t.caption = f"first 20 of {len(reqs)} requests"
@@ -307,10 +311,11 @@ def _sweep_table(data: list[dict[str, Any]], scenarios: list[Any], *, shard: str
         p50 = row["transfer_p50_ms"]
         table.add_row(escape(label), row["outcome"],
                       "[green]met[/]" if row["met"] else "[red]NOT MET[/]", row["requests"],
-                      checked, f"{row['descriptors']:,}", "-" if p50 is None else f"{p50:.3f} ms")
+                      checked, f"{row['descriptors']:,}>"
+                      + ("?" if row["coalesced"] is None else f"{row['coalesced']:,}"),
+                      "-" if p50 is None else f"{p50:.3f} ms")
     renamed = [f"{v} = {k}" for k, v in short.items() if v != k]
-    if renamed:
-        table.caption = escape("; ".join(renamed))
+    table.caption = escape("; ".join(renamed + ["descriptors: planned>after NIXL coalescing"]))
     return table
 
 
@@ -367,6 +372,47 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .backends.calibrate import run_calibration_cli
 
     return run_calibration_cli(args)
+
+
+# ---- validate ----------------------------------------------------------------------------------
+def cmd_validate(args: argparse.Namespace) -> int:
+    import os
+    import platform
+    import time
+    from pathlib import Path
+
+    from .shards import SelectionError
+    from .transport.nixl import NixlUnavailable, load_nixl
+    from .validate import ValidationError, summary, validate, write_outputs
+
+    files = [Path(f) for f in args.files] or sorted(Path("scenarios/validation").glob("*.toml"))
+    try:
+        load_nixl()
+        results = validate(files, repeats=args.repeats,
+                           progress=lambda text: print(f"validate: {text}", file=sys.stderr))
+    except (ValidationError, NixlUnavailable) as exc:
+        raise SelectionError(str(exc)) from None
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{os.cpu_count()} CPU(s), {platform.platform()}, Python "
+                       f"{platform.python_version()}", "repeats": args.repeats,
+            "source": os.path.commonpath([str(f.parent) for f in files]) + "/"}
+    if args.out:
+        for path in write_outputs(results, Path(args.out), meta):
+            print(f"wrote {path}")
+    s = summary(results)
+    if args.json:
+        _emit_json({"summary": s, "files": [
+            {"file": r.file, "sim_seconds": r.sim_seconds, "real_seconds": list(r.real_seconds),
+             "error": r.error, "spread": r.spread} for r in results]})
+    else:
+        for r in results:
+            print(f"{Path(r.file).name}: sim {r.sim_seconds * 1e3:.3f} ms, real "
+                  f"{r.real_median * 1e3:.3f} ms (spread {100 * r.spread:.0f} %), error "
+                  f"{100 * r.error:+.0f} %")
+        print(f"median |error| {100 * s['median_abs_error']:.0f} %, worst "
+              f"{100 * s['worst_abs_error']:.0f} %: acceptance "
+              f"{'met' if s['accepted'] else 'NOT met'}")
+    return EXIT_OK if s["accepted"] else EXIT_EXPECTATION
 
 
 # ---- listings ----------------------------------------------------------------------------------
@@ -534,6 +580,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a small sweep (seconds), for smoke tests; writes nothing by default")
     p.add_argument("--json", action="store_true", help="print the fit as JSON")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("validate", help="run held-out scenario files on the simulator and on "
+                                        "real NIXL and report simulated vs real per file")
+    p.add_argument("files", nargs="*", metavar="FILE",
+                   help="scenario files without [sweep] (default: scenarios/validation/*.toml)")
+    p.add_argument("--repeats", type=int, default=3, metavar="N",
+                   help="real runs per file, interleaved across files (default: 3)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write held-out-cpu.md and held-out-cpu.json there "
+                        "(e.g. reports/fidelity)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("presets", help="list the model presets and their key numbers")
     p.add_argument("--json", action="store_true")

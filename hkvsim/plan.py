@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .drivers.sim import SimDriver
+from .results import coalesced_descriptors, posted_descriptors, request_timing
 from .scenario import Scenario
 
 __all__ = ["plan_scenario"]
@@ -36,11 +37,16 @@ def plan_scenario(scenario: Scenario) -> dict[str, Any]:
             "prefix_hit_tokens": r.prefix_hit_tokens,
             "effective_prefix_hit_tokens": r.effective_prefix_hit_tokens,
             "descriptors": r.descriptors,
+            "descriptors_posted": posted_descriptors(r.telemetry),
+            "descriptors_coalesced": coalesced_descriptors(r.telemetry),
             "bytes": r.nbytes, "transfers": r.transfers, "status": r.status,
         }
-        if "transfer_done" in r.times:
-            entry["predicted_transfer_seconds"] = r.times["transfer_done"] - r.times[
-                "transfer_start"]
+        timing = request_timing(r.times, r.telemetry, scenario.connector.mode)
+        if timing["transfer_seconds"] is not None:
+            # the same definition as run/sweep/report: first post -> transfer done, handshake
+            # apart (results.request_timing)
+            entry["predicted_transfer_seconds"] = timing["transfer_seconds"]
+            entry["predicted_phases"] = timing["phases"]
         if r.reason:
             entry["error"] = r.reason
         requests.append(entry)

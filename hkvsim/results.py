@@ -10,8 +10,13 @@ import numpy as np
 
 from .pd.records import RunResult
 
-__all__ = ["NOT_VERIFIED", "clock", "expectation_problems", "result_json", "summary_row",
-           "transfer_span", "verification"]
+__all__ = ["NOT_VERIFIED", "PHASES", "clock", "coalesced_descriptors", "descriptor_counts",
+           "expectation_problems", "phases", "posted_descriptors", "request_timing",
+           "result_json", "summary_row", "transfer_span", "verification"]
+
+#: The phases of one request's transfer time, reported apart by every command (plan, run,
+#: sweep, report), in plotting order.
+PHASES = ("handshake", "post wait", "post", "wire", "notification")
 
 # the reason a run that moved no bytes (or did not check them) cannot meet byte_exact = true
 NOT_VERIFIED = ("[expect] byte_exact = true, but no byte was verified (a timing-only run: "
@@ -33,6 +38,74 @@ def transfer_span(times: Mapping[str, float], telemetry: Sequence[Mapping[str, A
     if "transfer_done" not in times or not starts:
         return None
     return max(times["transfer_done"] - min(starts), 0.0)
+
+
+def phases(times: Mapping[str, float], telemetry: Sequence[Mapping[str, Any]], mode: str
+           ) -> dict[str, float]:
+    """Seconds per phase of one request, along its critical (last-completing) transfer:
+    *handshake* (the lazy handshakes this request ran: decode's with prefill in pull; in push
+    decode's notification-only one and prefill's reverse one; first request of a pair only),
+    *post wait* (queued behind the rank's posting thread), *post* (launch + coalesced
+    descriptors x per-descriptor cost), *wire* (bytes on the shared links + path latency) and
+    *notification* (data complete -> the peer knows: prefill frees in pull, decode completes in
+    push). The handshake is never part of :func:`transfer_span`; the notification is in push
+    (decode completes on it) and after it in pull."""
+    out = dict.fromkeys(PHASES, 0.0)
+    out["handshake"] = float(times.get("handshake", 0.0))
+    tel = [x for x in telemetry if x.get("completed") is not None]
+    if not tel:
+        return out
+    crit = max(tel, key=lambda x: x["completed"])
+    post_end = crit["completed"] - crit["transfer_seconds"]
+    post_start = post_end - crit["post_seconds"]
+    out["post wait"] = max(0.0, post_start - crit["submitted"])
+    out["post"] = float(crit["post_seconds"])
+    out["wire"] = float(crit["transfer_seconds"])
+    end = times.get("prefill_freed") if mode == "pull" else times.get("transfer_done")
+    if end is not None:
+        out["notification"] = max(0.0, end - crit["completed"])
+    return out
+
+
+def request_timing(times: Mapping[str, float], telemetry: Sequence[Mapping[str, Any]],
+                   mode: str) -> dict[str, Any]:
+    """One request's transfer time as every command reports it: ``transfer_seconds``
+    (:func:`transfer_span`, None when nothing was transferred) and its ``phases``
+    (:func:`phases`, keys with underscores)."""
+    return {"transfer_seconds": transfer_span(times, telemetry),
+            "phases": {k.replace(" ", "_"): v for k, v in phases(times, telemetry, mode).items()}}
+
+
+def posted_descriptors(telemetry: Sequence[Mapping[str, Any]]) -> int:
+    """Descriptors a request handed to the backend (rows of its transfers, as posted)."""
+    return sum(int(t["descriptors"]) for t in telemetry)
+
+
+def coalesced_descriptors(telemetry: Sequence[Mapping[str, Any]]) -> int | None:
+    """Descriptors the backend posted after NIXL's own coalescing (pairs adjacent on both
+    sides merge); None when a transfer's backend did not report it (real NIXL without
+    telemetry)."""
+    counts = [t.get("coalesced") for t in telemetry]
+    if any(c is None for c in counts):
+        return None
+    return sum(int(c) for c in counts)
+
+
+def descriptor_counts(requests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Totals of the three descriptor counts over ``requests`` (records as dicts): the per-block
+    plan (``descriptors``), what was posted, what NIXL posted after coalescing (None if any
+    request's is unknown), and the distribution of coalesced descriptors per request."""
+    coalesced = [coalesced_descriptors(r["telemetry"]) for r in requests]
+    known = None if any(c is None for c in coalesced) else [int(c) for c in coalesced]
+    dist: dict[str, float] = {}
+    if known:
+        arr = np.asarray(known, dtype=np.float64)
+        dist = {"min": float(arr.min()), "p50": float(np.percentile(arr, 50)),
+                "p90": float(np.percentile(arr, 90)), "max": float(arr.max())}
+    return {"descriptors": sum(int(r["descriptors"]) for r in requests),
+            "descriptors_posted": sum(posted_descriptors(r["telemetry"]) for r in requests),
+            "descriptors_coalesced": None if known is None else sum(known),
+            "coalesced_per_request": dist}
 
 
 def verification(result: RunResult) -> str:
@@ -145,6 +218,12 @@ def result_json(result: RunResult, *, requests: bool = False,
     recs = result.records
     checked = result.verified
     spans = [transfer_span(r.times, r.telemetry) for r in recs if r.status == "ok"]
+    mode = result.scenario.connector.mode
+    done_phases = [phases(r.times, r.telemetry, mode) for r in recs
+                   if r.status == "ok" and any(t.get("completed") is not None
+                                               for t in r.telemetry)]
+    counts = descriptor_counts([{"descriptors": r.descriptors, "telemetry": r.telemetry}
+                                for r in recs if r.telemetry])
     transfer = [t for t in spans if t is not None]
     out: dict[str, Any] = {
         "scenario": result.scenario.scenario.name,
@@ -172,6 +251,9 @@ def result_json(result: RunResult, *, requests: bool = False,
             "freed_by_lease": sum(r.freed_by_lease for r in recs),
             "recomputed": sum(r.recovered_from is not None for r in recs),
             "descriptors": sum(r.descriptors for r in recs),
+            "descriptors_posted": counts["descriptors_posted"],
+            "descriptors_coalesced": counts["descriptors_coalesced"],
+            "coalesced_per_request": counts["coalesced_per_request"],
             "bytes": sum(r.nbytes for r in recs),
             "transfers": sum(r.transfers for r in recs),
         },
@@ -192,12 +274,14 @@ def result_json(result: RunResult, *, requests: bool = False,
             "transfer_seconds": _stats(transfer),
             "handshake_seconds": _stats([r.times["handshake"] for r in recs
                                          if "handshake" in r.times]),
-            "post_seconds": _stats([r.times["post"] for r in recs if "post" in r.times]),
-            "wire_seconds": _stats([r.times["wire"] for r in recs if "wire" in r.times]),
+            # along each completed request's critical transfer (results.phases)
+            **{f"{k.replace(' ', '_')}_seconds": _stats([p[k] for p in done_phases])
+               for k in PHASES[1:]},
         },
     }
     if requests:
-        out["request_details"] = [r.as_dict() for r in recs]
+        out["request_details"] = [{**r.as_dict(), **request_timing(r.times, r.telemetry, mode)}
+                                  for r in recs]
     return out
 
 
@@ -213,6 +297,7 @@ def summary_row(data: dict[str, Any]) -> dict[str, Any]:
         "corrupted": req["corrupted"],
         "mismatched_bytes": req["mismatched_bytes"],
         "descriptors": req["descriptors"],
+        "coalesced": req.get("descriptors_coalesced"),
         "transfer_p50_ms": 1e3 * data["time"]["transfer_seconds"]["p50"]
         if data["time"]["transfer_seconds"] else None,
     }

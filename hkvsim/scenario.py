@@ -353,6 +353,7 @@ class ModelSection(_Section):
 
 
 CacheDtype = Literal["bfloat16", "float16", "fp8", "fp8_ds_mla"]
+DEFAULT_WARMUP_REQUESTS = 64  # [prefill]/[decode] block_ids = "warmed" without warmup_requests
 
 
 class EngineSection(_Section):
@@ -372,6 +373,27 @@ class EngineSection(_Section):
     # This engine runs another checkpoint (a preset name) than [model]: a misdeployment that the
     # compatibility hash (or, with enforce_handshake_compat = false, rules V6/V7) must refuse.
     preset: PresetName | None = None
+    # Block ids as a fresh engine hands them out ("fresh": ascending, requests freed in order)
+    # or as a warmed-up vLLM engine does ("warmed": a request's blocks are freed tail first to
+    # the back of the free queue, after ``warmup_requests`` synthetic requests of churn), which
+    # decides how many descriptors NIXL can coalesce (docs/semantics.md §10).
+    block_ids: Literal["fresh", "warmed"] = "fresh"
+    warmup_requests: Annotated[int, Strict(), Field(ge=1, le=100_000)] | None = None
+
+    @model_validator(mode="after")
+    def _warmup(self) -> EngineSection:
+        if self.warmup_requests is not None and self.block_ids != "warmed":
+            raise _err("warmup_requests applies only to block_ids = \"warmed\"",
+                       allowed="set block_ids = \"warmed\", or drop warmup_requests",
+                       key="warmup_requests", show_input=False)
+        return self
+
+    @property
+    def warmup(self) -> int:
+        """Synthetic requests of churn before the workload (0 for fresh block ids)."""
+        if self.block_ids != "warmed":
+            return 0
+        return DEFAULT_WARMUP_REQUESTS if self.warmup_requests is None else self.warmup_requests
 
 
 class PrefillSection(EngineSection):

@@ -710,9 +710,25 @@ def test_shipped_profile_numbers() -> None:
 
 def test_shipped_profiles_cite_sources() -> None:
     nv = (PROFILE_DIR / "h200-nvlink.toml").read_text()
-    for cite in ("DeepEP #16", "NIXL PR #115", "NIXL PR #1647", "estimate"):
+    for cite in ("DeepEP #16", "https://github.com/ai-dynamo/nixl/pull/115",
+                 "https://github.com/ai-dynamo/nixl/pull/1647", "AMD AINIC", "estimate"):
         assert cite in nv
-    assert "NIXL PR #1647" in (PROFILE_DIR / "h200-cx7-rdma.toml").read_text()
+    rdma = (PROFILE_DIR / "h200-cx7-rdma.toml").read_text()
+    assert "https://github.com/ai-dynamo/nixl/pull/1647" in rdma and "multi-rail" in rdma
+
+
+@pytest.mark.parametrize("name", ["h200-nvlink", "h200-cx7-rdma", "pcie-host"])
+def test_every_number_of_a_gpu_profile_has_a_comment_and_points_inside_the_repo(name: str
+                                                                               ) -> None:
+    lines = (PROFILE_DIR / f"{name}.toml").read_text().splitlines()
+    assert not any("DOMAIN.md" in line for line in lines)  # the product's own docs only
+    for i, line in enumerate(lines):
+        key = line.split("=")[0].strip()
+        if "=" in line and not line.startswith("#") and key.endswith(("_gbps", "_us")):
+            above = i - 1
+            while above >= 0 and lines[above].startswith("#") is False and lines[above].strip():
+                above -= 1  # a pair of keys under one comment (latency next to bandwidth)
+            assert above >= 0 and lines[above].startswith("#"), f"{name}: {key} has no source"
 
 
 def test_load_by_path_and_overrides(tmp_path: Path) -> None:

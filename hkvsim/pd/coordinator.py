@@ -191,6 +191,18 @@ class _Request:
         self.phase = phase
 
 
+
+def _pool(scenario: Any, role: str, instance: int, layout: Any) -> EnginePool:
+    """Engine ``instance`` of ``role``'s block pool, its block ids as the scenario asks (a
+    warmed pool is churned by a seeded warm-up, one stream per engine)."""
+    section = getattr(scenario, role)
+    seed = np.random.SeedSequence([scenario.scenario.seed, ROLES_ORDER.index(role), instance])
+    return EnginePool(layout, block_ids=section.block_ids, warmup=section.warmup,
+                      seed=int(seed.generate_state(1)[0]))
+
+
+ROLES_ORDER = ("prefill", "decode")
+
 class Coordinator:
     """One run's request lifecycle (see the module docstring)."""
 
@@ -201,8 +213,9 @@ class Coordinator:
         self.faults = faults  # hkvsim.faults.FaultPlan: abort-request, expire-lease-early
         self.sched = Scheduler()
         self.engines: dict[str, list[_Engine]] = {
-            role: [_Engine(spec=spec, pool=EnginePool(spec.layout), freed=self.sched.signal())
-                   for spec in specs] for role, specs in deployment.engines.items()}
+            role: [_Engine(spec=spec, pool=_pool(self.scenario, role, i, spec.layout),
+                           freed=self.sched.signal())
+                   for i, spec in enumerate(specs)] for role, specs in deployment.engines.items()}
         self._by_id = {e.engine_id: e for es in self.engines.values() for e in es}
         self.records: list[RequestRecord] = []
         self._requests: list[_Request] = []
@@ -685,7 +698,8 @@ class Coordinator:
                 pair = (f"{local.engine_id} {arrow} {remote.engine_id}" if local.role == "decode"
                         else f"{remote.engine_id} <- {local.engine_id} (push)")
                 self.handshake_errors.append(f"{pair}: {error}")
-            rec.times["handshake"] = self.now - start
+            # a push request runs two: decode's notification-only one and prefill's reverse one
+            rec.times["handshake"] = rec.times.get("handshake", 0.0) + self.now - start
             event.succeed(error)
         elif not event.triggered:
             yield event
@@ -797,9 +811,11 @@ class Coordinator:
         if event is None:  # decode's notification-only handshake: agents, no descriptors
             event = self.sched.signal()
             decode.connections[key] = event
+            start = self.now
             reply = yield self._call(first, ConnectNotifyOnly(
                 remote_engine=prefill.engine_id,
                 agent_metadata=tuple(prefill.agent_metadata[r] for r in range(prefill.tp))))
+            rec.times["handshake"] = rec.times.get("handshake", 0.0) + self.now - start
             event.succeed(None if reply.error is None else reply.error.message)
         elif not event.triggered:
             yield event
@@ -1201,7 +1217,7 @@ class Coordinator:
                 rec.telemetry.append({
                     "nbytes": t.nbytes, "descriptors": t.descriptors, "submitted": t.submitted,
                     "post_seconds": t.post_seconds, "transfer_seconds": t.transfer_seconds,
-                    "completed": t.completed, "path": list(t.path)})
+                    "completed": t.completed, "path": list(t.path), "coalesced": t.coalesced})
 
     # ---- helpers for drivers ----------------------------------------------------------------
     @staticmethod

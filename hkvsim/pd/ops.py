@@ -447,7 +447,9 @@ def outcome_to_wire(outcome: RequestOutcome) -> dict[str, Any]:
                        "transfer_seconds": float(t.transfer_seconds),
                        "submitted": float(t.submitted),
                        "completed": None if t.completed is None else float(t.completed),
-                       "path": [str(p) for p in t.path]} for t in outcome.telemetry],
+                       "path": [str(p) for p in t.path],
+                       "coalesced": None if t.coalesced is None else int(t.coalesced)}
+                      for t in outcome.telemetry],
     }
 
 
@@ -461,7 +463,9 @@ def outcome_from_wire(data: Any) -> RequestOutcome:
                                    submitted=float(t["submitted"]),
                                    completed=None if t["completed"] is None
                                    else float(t["completed"]),
-                                   path=tuple(str(p) for p in t["path"]))
+                                   path=tuple(str(p) for p in t["path"]),
+                                   coalesced=None if t.get("coalesced") is None
+                                   else int(t["coalesced"]))
                      for t in data["telemetry"]]
         return RequestOutcome(request_id=str(data["request_id"]), ok=bool(data["ok"]),
                               reason=data["reason"], failure_class=data["failure_class"],

@@ -3,6 +3,17 @@
 Pure bookkeeping, shared by every driver: the coordinator allocates and frees; the simulated
 fabric's landing guard reads ``owner`` to flag bytes that land in a block their request does not
 own any more; ``version`` catches prefill blocks freed while a transfer still reads them.
+
+Block ids come in two flavours (``[prefill]``/``[decode]`` ``block_ids``):
+
+* ``"fresh"``: a new engine's free queue (ids ascending) and requests freed in block order, so
+  a short workload gets runs of consecutive ids;
+* ``"warmed"``: vLLM's free-block queue after a while: allocation pops from the head, a
+  finished request's blocks go to the tail *tail block first* (vLLM frees in reverse so that a
+  prefix-cached request's last blocks are evicted first), group by group, and the queue has
+  been churned by ``warmup`` synthetic requests of random sizes that finish in random order
+  (seeded). Prefix-cache hits that pull a cached block back out of the middle of the queue are
+  not modelled. Ids then come in short and descending runs, which NIXL cannot coalesce.
 """
 
 from __future__ import annotations
@@ -14,17 +25,21 @@ import numpy as np
 
 from ..geometry.layout import EngineLayout
 
-__all__ = ["FREE_BLOCK", "BlockAllocator", "EnginePool", "blocks_per_request",
+__all__ = ["BLOCK_IDS", "FREE_BLOCK", "BlockAllocator", "EnginePool", "blocks_per_request",
            "default_num_blocks", "engine_pool_blocks", "freed_while_reading"]
 
 FREE_BLOCK = -1  # EnginePool.owner of a block in the free pool
+BLOCK_IDS = ("fresh", "warmed")
 
 
 class BlockAllocator:
-    """A deterministic free list of logical block ids shared by every HMA group of an engine."""
+    """A deterministic free queue of logical block ids shared by every HMA group of an engine:
+    allocation from the head, frees to the tail; ``tail_first`` frees a request's ids in
+    reverse (vLLM's order)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, tail_first: bool = False) -> None:
         self.num_blocks = num_blocks
+        self.tail_first = tail_first
         self._free: deque[int] = deque(range(num_blocks))
 
     def can_allocate(self, n: int) -> bool:
@@ -36,7 +51,11 @@ class BlockAllocator:
         return np.array([self._free.popleft() for _ in range(n)], dtype=np.int64)
 
     def free(self, ids: np.ndarray) -> None:
-        self._free.extend(int(i) for i in ids)
+        self._free.extend(int(i) for i in (ids[::-1] if self.tail_first else ids))
+
+    def free_order(self) -> np.ndarray:
+        """The free queue, head first (what the next allocations get)."""
+        return np.fromiter(self._free, dtype=np.int64, count=len(self._free))
 
     @property
     def used(self) -> int:
@@ -46,14 +65,42 @@ class BlockAllocator:
 class EnginePool:
     """One engine's blocks: allocation per HMA group, owners, version stamps."""
 
-    def __init__(self, layout: EngineLayout) -> None:
+    def __init__(self, layout: EngineLayout, *, block_ids: str = "fresh", warmup: int = 0,
+                 seed: int = 0) -> None:
+        if block_ids not in BLOCK_IDS:
+            raise ValueError(f"block_ids {block_ids!r}; allowed: {', '.join(BLOCK_IDS)}")
+        if warmup < 0 or (warmup and block_ids != "warmed"):
+            raise ValueError(f"warmup = {warmup}: allowed only >= 1 with block_ids 'warmed'")
         self.layout = layout
-        self.allocator = BlockAllocator(layout.num_logical_blocks)
+        self.block_ids = block_ids
+        self.allocator = BlockAllocator(layout.num_logical_blocks,
+                                        tail_first=block_ids == "warmed")
         # the request (index) each logical block is allocated to, FREE_BLOCK when in the pool
         self.owner = np.full(layout.num_logical_blocks, FREE_BLOCK, dtype=np.int64)
         # bumped on every free: a transfer that reads blocks whose version changed under it
         # read freed (maybe reused) memory
         self.version = np.zeros(layout.num_logical_blocks, dtype=np.int64)
+        if warmup:
+            self._warm_up(warmup, np.random.default_rng(seed))
+
+    def _warm_up(self, requests: int, rng: np.random.Generator) -> None:
+        """Churn the free queue with ``requests`` synthetic requests: each takes 1 to half the
+        pool's attention blocks (uniform); before each allocation, and whenever the pool is
+        short, a random live request finishes. Everything is freed at the end (random order),
+        so the workload starts with an empty, shuffled pool."""
+        live: list[dict[int, np.ndarray]] = []
+        top = max(1, (self.layout.num_logical_blocks - len(self.layout.state_groups))
+                  // max(1, len(self.layout.attention_groups)) // 2)
+        for _ in range(requests):
+            n = int(rng.integers(1, top, endpoint=True))
+            if live and rng.random() < 0.5:
+                self.free(live.pop(int(rng.integers(len(live)))), stamp=False)
+            while not self.can_allocate(n) and live:
+                self.free(live.pop(int(rng.integers(len(live)))), stamp=False)
+            if self.can_allocate(n):
+                live.append(self.allocate(n, FREE_BLOCK))
+        for i in rng.permutation(len(live)):
+            self.free(live[int(i)], stamp=False)
 
     def blocks_needed(self, n_attention: int) -> int:
         layout = self.layout

@@ -31,6 +31,7 @@ def _totals(v: Variant) -> dict[str, Any]:
         "requests": len(reqs),
         "reference": sum(r["descriptors"] for r in reqs),
         "posted": sum(sum(t["descriptors"] for t in r["telemetry"]) for r in reqs),
+        "coalesced": _coalesced(reqs),
         "transfers": sum(r["transfers"] for r in reqs),
         "nbytes": sum(r["nbytes"] for r in reqs),
         "transfer_seconds": sum(transfer_seconds(v, r) or 0.0 for r in reqs),
@@ -38,6 +39,17 @@ def _totals(v: Variant) -> dict[str, Any]:
         "byte_exact": v.verified and v.mismatched_bytes == 0 and v.outcome == "ok",
         "verified": v.verified,
     }
+
+
+def _coalesced(reqs: list[dict[str, Any]]) -> int | None:
+    from ..results import coalesced_descriptors
+
+    counts = [coalesced_descriptors(r["telemetry"]) for r in reqs]
+    return None if any(c is None for c in counts) else sum(c for c in counts if c is not None)
+
+
+def _sum(values: list[Any]) -> Any:
+    return None if any(v is None for v in values) else sum(values)
 
 
 def merge_comparison(variants: list[Variant],
@@ -64,8 +76,8 @@ def merge_comparison(variants: list[Variant],
         totals: dict[str, dict[str, Any]] = {}
         for m in modes:
             per = [_totals(ms[m]) for ms in complete.values()]
-            totals[m] = {k: sum(p[k] for p in per) for k in
-                         ("requests", "reference", "posted", "transfers", "nbytes",
+            totals[m] = {k: _sum([p[k] for p in per]) for k in
+                         ("requests", "reference", "posted", "coalesced", "transfers", "nbytes",
                           "transfer_seconds", "post_seconds")}
             totals[m]["verified_variants"] = sum(p["verified"] for p in per)
             totals[m]["byte_exact_variants"] = sum(p["byte_exact"] for p in per)
@@ -81,6 +93,7 @@ def merge_comparison(variants: list[Variant],
             for m in modes:
                 t = _totals(ms[m])
                 row[m] = {"posted": t["posted"], "reference": t["reference"],
+                          "coalesced": t["coalesced"],
                           "transfer_seconds": t["transfer_seconds"]}
             rows.append(row)
         out.append({"family": family, "modes": totals, "variants": len(complete),

@@ -19,7 +19,7 @@ _VARIANT_COLUMNS = ("input", "variant", "sweep_index", "backend", "clock", "mode
                     "mode", "descriptor_merge", "prefill_tp", "decode_tp", "outcome",
                     "verification", "expectation_met")
 _REQUEST_COLUMNS = ("request", "status", "failure_class", "prompt_tokens", "prefix_hit_tokens",
-                    "descriptors", "descriptors_posted", "bytes", "transfers", "mismatched_words",
+                    "descriptors", "descriptors_posted", "descriptors_coalesced", "bytes", "transfers", "mismatched_words",
                     "transfer_seconds") + tuple(f"{p.replace(' ', '_')}_seconds" for p in PHASES)
 
 
@@ -29,6 +29,12 @@ def _cell(value: Any) -> Any:
     if isinstance(value, float):
         return f"{value:.12g}"
     return value
+
+
+def coalesced_descriptors(telemetry: list[dict[str, Any]]) -> int | None:
+    from ..results import coalesced_descriptors as count
+
+    return count(telemetry)
 
 
 def write_requests_csv(variants: list[Variant], out: Path) -> str:
@@ -48,7 +54,8 @@ def write_requests_csv(variants: list[Variant], out: Path) -> str:
                 writer.writerow([_cell(x) for x in head + [
                     r["index"], r["status"], r.get("failure_class"), r["prompt_tokens"],
                     r["prefix_hit_tokens"], r["descriptors"],
-                    sum(t["descriptors"] for t in r["telemetry"]), r["nbytes"], r["transfers"],
+                    sum(t["descriptors"] for t in r["telemetry"]),
+                    coalesced_descriptors(r["telemetry"]), r["nbytes"], r["transfers"],
                     r["mismatched_words"] if v.verified else None,
                     transfer_seconds(v, r) if r["status"] == "ok" else None,
                     *[phases.get(p) for p in PHASES]]])

@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..results import PHASES  # the time breakdown of one request: one definition everywhere
+
 __all__ = ["Variant", "variant_from_result", "variants_from_json", "saved_entries",
            "scenario_settings", "transfer_seconds", "breakdown", "PHASES", "request_rows"]
 
 TPS = (1, 2, 4, 8)
-# the time breakdown of one request, in plotting order (prep/post and
-# transfer separately, as nixlbench does)
-PHASES = ("handshake", "post wait", "post", "wire", "notification")
 
 
 _STATE_KINDS = {"kda": "KDA", "gdn": "GDN", "mamba2": "Mamba2", "mamba1": "Mamba"}
@@ -265,27 +264,17 @@ def transfer_seconds(variant: Variant, req: dict[str, Any]) -> float | None:
 
 
 def breakdown(variant: Variant, req: dict[str, Any]) -> dict[str, float]:
-    """Seconds per phase of one request, along its critical (last-completing) transfer:
-    handshake (first request of a pair only), post wait (queued behind the rank's posting
-    thread), post (launch + descriptors x alpha), wire (bytes on the shared links + path latency)
-    and notification (data complete -> the peer knows: prefill frees in pull, decode completes
-    in push)."""
-    t = req["times"]
-    out = dict.fromkeys(PHASES, 0.0)
-    out["handshake"] = float(t.get("handshake", 0.0))
-    tel = [x for x in req["telemetry"] if x.get("completed") is not None]
-    if not tel:
-        return out
-    crit = max(tel, key=lambda x: x["completed"])
-    post_end = crit["completed"] - crit["transfer_seconds"]
-    post_start = post_end - crit["post_seconds"]
-    out["post wait"] = max(0.0, post_start - crit["submitted"])
-    out["post"] = crit["post_seconds"]
-    out["wire"] = crit["transfer_seconds"]
-    end = t.get("prefill_freed") if variant.mode == "pull" else t.get("transfer_done")
-    if end is not None:
-        out["notification"] = max(0.0, end - crit["completed"])
-    return out
+    """Seconds per phase of one request (:func:`hkvsim.results.phases`, the definition every
+    command shares)."""
+    from ..results import phases
+
+    return phases(req["times"], req["telemetry"], variant.mode)
+
+
+def _coalesced(req: dict[str, Any]) -> int | None:
+    from ..results import coalesced_descriptors
+
+    return coalesced_descriptors(req["telemetry"])
 
 
 def request_rows(variants: list[Variant]) -> list[dict[str, Any]]:
@@ -304,6 +293,7 @@ def request_rows(variants: list[Variant]) -> list[dict[str, Any]]:
                 "effective_hit_tokens": req.get("effective_prefix_hit_tokens"),
                 "descriptors": req["descriptors"],
                 "posted": sum(x["descriptors"] for x in req["telemetry"]),
+                "coalesced": _coalesced(req),
                 "nbytes": req["nbytes"], "transfers": req["transfers"], "transfer": tt,
                 "breakdown": breakdown(v, req)})
     return rows

@@ -71,10 +71,52 @@ def _summary(variants: list[Variant]) -> str:
                      _counted([v.verification for v in vs]), corrupted or "-",
                      f"{sum(r['descriptors'] for r in ok):,}",
                      f"{sum(sum(t['descriptors'] for t in r['telemetry']) for r in ok):,}",
+                     _count(_coalesced_total(ok)),
                      f"{sum(r['nbytes'] for r in ok) / 1e9:,.3f}"])
     return table(["input", "variants", "requests ok", "outcomes", "expectation met",
                   "verification", "corrupted requests", "descriptors (per-block plan)",
-                  "descriptors posted", "GB moved"], out)
+                  "descriptors posted", "after NIXL coalescing", "GB moved"], out)
+
+
+def _coalescing_section(variants: list[Variant], limit: int = 40) -> list[str]:
+    """Per variant: descriptors posted and left after NIXL's coalescing, and how the coalesced
+    count is spread over requests (it follows how fragmented the block ids are)."""
+    from ..results import descriptor_counts
+
+    rows = []
+    for v in variants:
+        ok = [r for r in v.ok_requests() if r["telemetry"]]
+        if not ok:
+            continue
+        c = descriptor_counts(ok)
+        d = c["coalesced_per_request"]
+        rows.append([v.name, len(ok), f"{c['descriptors_posted']:,}",
+                     _count(c["descriptors_coalesced"])]
+                    + ([f"{d[k]:,.0f}" for k in ("min", "p50", "p90", "max")] if d
+                       else ["-"] * 4))
+    if not rows:
+        return []
+    shown = rows[:limit]
+    text = ["", "## Descriptors after NIXL coalescing", "",
+            "NIXL merges every run of descriptor pairs adjacent on both sides (prepared and "
+            "strided transfers), so what a request pays per descriptor follows how scattered "
+            "its block ids are (`[prefill]`/`[decode] block_ids`: `fresh` or `warmed`), not "
+            "how many descriptors the connector posts.", "",
+            table(["variant", "requests", "posted", "after coalescing", "per request: min",
+                   "p50", "p90", "max"], shown)]
+    if len(rows) > limit:
+        text += ["", f"({len(rows) - limit} more variant(s) in `report.json` / `run --json`.)"]
+    return text
+
+
+def _coalesced_total(requests: list[dict[str, Any]]) -> int | None:
+    from ..results import descriptor_counts
+
+    return descriptor_counts(requests)["descriptors_coalesced"]
+
+
+def _count(value: int | None) -> str:
+    return "unknown" if value is None else f"{value:,}"
 
 
 def _verification_sentence(variants: list[Variant]) -> str:
@@ -211,6 +253,8 @@ def _merge_section(comparison: list[dict[str, Any]], figure: str | None,
                 row.append(f"{m[mode]['posted']:,} ({_delta(m[mode]['posted'], off['posted'])})")
             else:
                 row.append("-")
+        row.append(" / ".join(_count(m[k]["coalesced"]) for k in ("off", "contiguous", "strided")
+                              if k in m))
         row.append(_ms(off["transfer_seconds"], 2))
         for mode in ("contiguous", "strided"):
             if mode in m:
@@ -232,7 +276,8 @@ def _merge_section(comparison: list[dict[str, Any]], figure: str | None,
         rows.append(row)
     head = ["family", "variants", "requests with a transfer",
             "descriptors, per-block plan (reference)",
-            "posted, contiguous", "posted, strided (rows)", "sim. transfer time off (ms)",
+            "posted, contiguous", "posted, strided (rows)",
+            "after NIXL coalescing (off / contiguous / strided)", "sim. transfer time off (ms)",
             "contiguous (ms)", "strided (ms)", "byte-exact (oracle)", "NIXL measured Δ"]
     text = ["## Descriptor merging", "",
             "`[connector] descriptor_merge`: the reference connector posts one descriptor per "
@@ -244,11 +289,11 @@ def _merge_section(comparison: list[dict[str, Any]], figure: str | None,
             "(`Transport.make_xfer`). Every mode moves exactly the same bytes (the oracle "
             "checks every byte of every verified variant).", "",
             "Simulated time is the sum over requests of the transfer time (handshake excluded). "
-            "Posting is charged per descriptor for `contiguous` and per run for `strided` (on "
-            "the CPU VM strided lists cut prep time but not post time, docs/semantics.md §10), "
-            "so "
-            "`strided` saves rows, registration and prep, not simulated post time, against "
-            "`contiguous`.", "", table(head, rows)]
+            "Posting is charged per descriptor left after NIXL's own coalescing (runs of pairs "
+            "adjacent on both sides merge in prepared and strided transfers; docs/semantics.md "
+            "§10), the count NIXL's telemetry reports, so merging on the client saves rows, "
+            "registration and prep, not simulated post time, wherever NIXL would have "
+            "coalesced the same runs itself.", "", table(head, rows)]
     if figure:
         text += ["", f"![descriptor merging]({figure})"]
     if not measured:
@@ -392,11 +437,14 @@ def _input_section(section: dict[str, Any], variants: list[Variant], level: str)
                          f"{state} state bytes / request / rank", "crossover (tokens)"], body)]
     if figures.get("breakdown"):
         parts += ["", f"{level} Time breakdown", "", f"![time breakdown]({figures['breakdown']})",
-                  "", "Along each request's last-completing transfer: *handshake* (lazy, first "
-                  "request of a pair only), *post wait* (queued behind the rank's posting "
-                  "thread), *post* (launch + descriptors x per-descriptor cost), *wire* (bytes "
-                  "on the shared links + path latency), *notification* (data complete -> prefill "
-                  "frees in pull, decode completes in push).", "", _breakdown_table(primary)]
+                  "", "Along each request's last-completing transfer (the definition `plan`, "
+                  "`run` and `sweep` report too): *handshake* (lazy, first request of a pair "
+                  "only; push runs decode's notification-only and prefill's reverse one), *post "
+                  "wait* (queued behind the rank's posting thread), *post* (launch + descriptors "
+                  "after NIXL's coalescing x per-descriptor cost), *wire* (bytes on the shared "
+                  "links + path latency), *notification* (data complete -> prefill frees in "
+                  "pull, decode completes in push). Handshake and post wait are not part of the "
+                  "transfer time.", "", _breakdown_table(primary)]
     parts += _sizing_section(section["sizing"], figures.get("sizing"), level)
     return parts
 
@@ -501,6 +549,7 @@ def page(*, title: str, command: str, variants: list[Variant], rows: list[dict[s
     merge = _merge_section(comparison, figures.get("merge"), measured)
     if merge:
         parts += ["", merge]
+    parts += _coalescing_section(variants)
     parts += ["", "## Simulated vs measured", ""]
     if figures.get("calibration"):
         by_source: dict[str, list[dict[str, Any]]] = defaultdict(list)

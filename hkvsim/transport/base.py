@@ -58,6 +58,9 @@ class XferTelemetry:
     submitted: float
     completed: float | None
     path: tuple[str, ...] = ()
+    # descriptors the backend posted after NIXL's own coalescing of pairs adjacent on both
+    # sides (hkvsim.transport.coalesce); None when the backend did not say
+    coalesced: int | None = None
 
 
 def check_mem_type(mem_type: Any, *, what: str) -> str:

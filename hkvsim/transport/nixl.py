@@ -747,7 +747,7 @@ class NixlTransport:
             (f"merged:{x.merged_descriptors}",) if x.merged_descriptors is not None else ())
         return XferTelemetry(nbytes=x.nbytes, descriptors=x.n_desc, post_seconds=post,
                              transfer_seconds=max(0.0, total - post), submitted=x.submitted,
-                             completed=x.completed, path=path)
+                             completed=x.completed, path=path, coalesced=x.merged_descriptors)
 
     # ---- shutdown ------------------------------------------------------------------------
     def close(self, *, deadline_s: float = 5.0) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """SimTransport: the Transport protocol over the simulated (simpy) fabric.
 
 Memory holds real bytes (lazily committed), so transfers are byte-exact or visibly not. One
-posted transfer is one fabric flow (O(1) simulated events), however many descriptors it has.
+posted transfer is one fabric flow (O(1) simulated events), however many descriptors it has; its
+posting is charged per descriptor left after NIXL's own coalescing (``coalesce.py``).
 Hazards of real NIXL are mirrored as loud errors, the same ones ``NixlTransport`` raises: posting
 a released handle, re-posting an active one, mismatched descriptor lengths, float descriptor ids,
 unknown handles, wrong memory types, addresses outside registered memory, and remote lists or
@@ -40,6 +41,7 @@ from .base import (
     overlapping,
     registration_problem,
 )
+from .coalesce import coalesced_count, coalesces
 from .memory import copy_ranges, lazy_buffer
 
 __all__ = ["SimWorld", "SimTransport"]
@@ -67,6 +69,7 @@ class _Xfer:
     poll_raises: bool = False
     owner: Any = None  # SimWorld.post_owner when the transfer was created (who it is for)
     stray: bool = False  # the landing guard found it aimed at blocks its owner does not hold
+    coalesced: int = 0  # descriptors after NIXL's coalescing: what posting is charged for
 
 
 @dataclass(eq=False)
@@ -314,7 +317,9 @@ class SimTransport:
                                           what=f"{self.name}: {op} with {remote.agent}")
         handle = next(self._ids)
         self._xfers[handle] = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
-                                    notif=bytes(notif), nbytes=nbytes, owner=self.world.post_owner)
+                                    notif=bytes(notif), nbytes=nbytes, owner=self.world.post_owner,
+                                    coalesced=coalesced_count(local.descs[li], remote.descs[ri])
+                                    if coalesces("prepped") else int(li.size))
         return handle
 
     def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
@@ -360,7 +365,12 @@ class SimTransport:
         self._xfers[handle] = _Xfer(op=op, local=_DList(agent=self.name, descs=ld), local_ids=ids,
                                     remote=_DList(agent=remote_agent, descs=rd), remote_ids=ids,
                                     notif=bytes(notif), nbytes=int(ld[:, 1].sum()),
-                                    rows=int(la.shape[0]), owner=self.world.post_owner)
+                                    rows=int(la.shape[0]), owner=self.world.post_owner,
+                                    # strided rows are prepared lists (coalesced); plain rows go
+                                    # through initialize_xfer, which NIXL 1.5 does not coalesce
+                                    coalesced=coalesced_count(ld, rd) if coalesces(
+                                        "prepped" if la.shape[1] == 5 else "non_prepped")
+                                    else int(ld.shape[0]))
         return handle
 
     def _xfer(self, handle: int) -> _Xfer:
@@ -416,7 +426,7 @@ class SimTransport:
         wire_bytes = x.nbytes * (fault.factor if fault is not None and fault.kind == "slow" else 1)
         event = world.fabric.transfer(initiator=me.endpoint, src=src.endpoint,
                                       dst=dst.endpoint, nbytes=int(wire_bytes),
-                                      descriptors=int(x.local_ids.size))
+                                      descriptors=x.coalesced)
         if fault is not None and fault.kind == "fail":
             event.callbacks.append(lambda ev, x=x: self._fail(
                 x, "injected transfer failure (state ERR)", timing=ev.value))
@@ -543,8 +553,8 @@ class SimTransport:
             return XferTelemetry(nbytes=x.nbytes, descriptors=x.rows if x.rows is not None
                                  else int(x.local_ids.size),
                                  post_seconds=0.0, transfer_seconds=0.0, submitted=x.submitted,
-                                 completed=None)
+                                 completed=None, coalesced=x.coalesced)
         return XferTelemetry(nbytes=x.nbytes, descriptors=x.rows if x.rows is not None
                              else int(x.local_ids.size), post_seconds=t.post_end - t.post_start,
                              transfer_seconds=t.done - t.post_end, submitted=t.submitted,
-                             completed=t.done, path=tuple(t.path))
+                             completed=t.done, path=tuple(t.path), coalesced=x.coalesced)

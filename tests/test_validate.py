@@ -1,0 +1,84 @@
+"""``hkvsim validate``'s statistics and its refusal of bad input (the real-NIXL run itself is
+tested in tests/nixl/test_nixl_validate.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hkvsim.cli import main
+from hkvsim.validate import (FileResult, ValidationError, markdown, steady_transfer_median,
+                             steady_unexplained_median, summary, validate)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _req(index: int, seconds: float | None, handshake: float = 0.0, status: str = "ok",
+         post: float = 0.0, wire: float = 0.0) -> dict:
+    return {"index": index, "status": status, "transfer_seconds": seconds,
+            "phases": {"handshake": handshake, "post": post, "wire": wire}}
+
+
+def test_steady_state_leaves_out_handshakes_the_first_request_and_failures() -> None:
+    data = {"request_details": [_req(0, 9.0, handshake=5.0), _req(1, 8.0), _req(2, 1.0),
+                                _req(3, 2.0), _req(4, 3.0), _req(5, 100.0, status="failed"),
+                                _req(6, None), _req(7, 7.0, handshake=0.1)]}
+    assert steady_transfer_median(data) == 2.5  # requests 1..4 -> median of 8, 1, 2, 3
+    data["request_details"][0]["phases"]["handshake"] = 0.0
+    assert steady_transfer_median(data) == 2.5  # request 0 is still the run's first
+    assert steady_transfer_median({"request_details": [_req(0, 1.0)]}) is None
+
+
+def test_unexplained_is_transfer_minus_post_and_wire_of_steady_requests() -> None:
+    data = {"request_details": [_req(0, 9.0, post=1.0, wire=1.0), _req(1, 5.0, post=1.0, wire=2.0),
+                                _req(2, 4.0, post=0.5, wire=0.5), _req(3, 6.0, post=1.0, wire=1.0,
+                                                                       handshake=2.0)]}
+    assert steady_unexplained_median(data) == 2.5  # requests 1 (2.0) and 2 (3.0)
+
+
+def _result(sim: float, reals: tuple[float, ...], coalesced: tuple = (5, 5)) -> FileResult:
+    return FileResult(file="scenarios/validation/x.toml", scenario="x", profile="p",
+                      sim_seconds=sim, real_seconds=reals, loads=(0.5, 3.0, 0.1),
+                      descriptors_posted=(10, 10), descriptors_coalesced=coalesced,
+                      outcomes=("ok",) * 4, unexplained=(0.001, 0.002, 0.004, 0.003))
+
+
+def test_error_spread_and_acceptance() -> None:
+    good = _result(1.1, (1.0, 0.9, 1.2))
+    assert good.real_median == 1.0
+    assert good.error == pytest.approx(0.1)
+    assert good.spread == pytest.approx(0.3)
+    bad = _result(0.5, (1.0, 1.0, 1.0), coalesced=(5, 6))
+    s = summary([good, good, bad])
+    assert s["median_abs_error"] == pytest.approx(0.1)
+    assert s["worst_abs_error"] == pytest.approx(0.5)
+    assert not s["accepted"]  # worst 50 % > 40 %
+    assert not s["coalesced_agree"]
+    assert summary([good])["accepted"]
+    text = markdown([good, bad], {"when": "now", "machine": "m", "repeats": 3})
+    assert "| `x.toml` | 1100.000 | 1000.000 |" in text and "+10 %" in text and "-50 %" in text
+    assert "| 1.000 / 3.000 |" in text  # sim, then the median of the real runs
+    assert "**NOT met**" in text and "DISAGREE" in text
+
+
+def test_refuses_no_files_sweeps_and_bad_repeats(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="no validation scenario files"):
+        validate([])
+    sweep = tmp_path / "s.toml"
+    sweep.write_text('[scenario]\nname = "s"\n[model]\npreset = "tiny-llama"\n[workload]\n'
+                     'requests = 2\nprompt_tokens = 100\n[sweep]\ndecode.tp = [1, 2]\n')
+    with pytest.raises(ValidationError, match="2 variants; allowed: a scenario file without"):
+        validate([sweep])
+    with pytest.raises(ValidationError, match="--repeats 0: expected an integer >= 1"):
+        validate([sweep], repeats=0)
+
+
+def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("nixl_cu12", reason="the CLI loads NIXL before anything else")
+    sweep = tmp_path / "s.toml"
+    sweep.write_text('[scenario]\nname = "s"\n[model]\npreset = "tiny-llama"\n[workload]\n'
+                     'requests = 2\nprompt_tokens = 100\n[sweep]\ndecode.tp = [1, 2]\n')
+    assert main(["validate", str(sweep)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "2 variants" in err[0]
