@@ -196,6 +196,8 @@ def result_json(result: RunResult, *, requests: bool = False,
             "wire_seconds": _stats([r.times["wire"] for r in recs if "wire" in r.times]),
         },
     }
+    if result.implementation:  # absent for hkvsim's own core (keeps its outputs unchanged)
+        out["implementation"] = dict(result.implementation)
     if requests:
         out["request_details"] = [r.as_dict() for r in recs]
     return out

@@ -16,6 +16,7 @@ thread. Needs numpy and msgpack only (vLLM is not imported).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from ...transport.base import (
     Memory,
     Transport,
     TransportError,
+    XferTelemetry,
     check_strided_array,
     expand_strided,
 )
@@ -156,6 +158,8 @@ class TransportNixlAgent:
         self._remote_maps: dict[str, _AddressMap] = {}
         self._lists: dict[int, str] = {}  # list handle -> "" (local) or remote agent
         self.calls: dict[str, int] = {}  # call counts, for reports and tests
+        self._created: list[int] = []  # transfer handles, in creation order
+        self._telemetry: dict[int, XferTelemetry] = {}  # kept when a handle is released
 
     def _count(self, call: str) -> None:
         self.calls[call] = self.calls.get(call, 0) + 1
@@ -290,9 +294,24 @@ class TransportNixlAgent:
                           remote_xfer_side: int, remote_indices: Any, notif_msg: Any = b"",
                           backends: Any = None, skip_desc_merge: bool = False) -> int:
         self._count("make_prepped_xfer")
-        return self._call(self.transport.make_prepped_xfer, operation, local_xfer_side,
+        handle = self._call(self.transport.make_prepped_xfer, operation, local_xfer_side,
                           np.asarray(local_indices), remote_xfer_side,
                           np.asarray(remote_indices), _message(notif_msg))
+        self._created.append(handle)
+        return handle
+
+    def created_handles(self) -> list[int]:
+        """Every transfer handle made through this agent, in order (a copy)."""
+        return list(self._created)
+
+    def telemetry_of(self, handle: int) -> XferTelemetry | None:
+        """hkvsim's telemetry of a transfer made here (also after vLLM released it)."""
+        if handle in self._telemetry:
+            return self._telemetry[handle]
+        try:
+            return self.transport.get_xfer_telemetry(handle)
+        except TransportError:
+            return None
 
     def transfer(self, handle: int, notif_msg: Any = None) -> str:
         """Post; "DONE" or "PROC". A failure to post raises (as NIXL's ``transfer`` does)."""
@@ -305,6 +324,8 @@ class TransportNixlAgent:
 
     def release_xfer_handle(self, handle: int) -> None:
         self._count("release_xfer_handle")
+        with contextlib.suppress(TransportError):
+            self._telemetry[handle] = self.transport.get_xfer_telemetry(handle)
         self._call(self.transport.release_xfer_handle, handle)
 
     def get_xfer_telemetry(self, handle: int) -> Telemetry:
