@@ -79,7 +79,9 @@ def vllm_failure(exc: BaseException) -> VllmFailure:
     if isinstance(exc, AssertionError):
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/vllm/" in
                   f.filename.replace(os.sep, "/")]
-        text = f"assert {frames[-1].line}" if frames and frames[-1].line else "assertion failed"
+        line = (frames[-1].line or "").strip() if frames else ""
+        text = line if line.startswith("assert") else (f"assert {line}" if line else
+                                                         "assertion failed")
         if str(exc):
             text += f" ({str(exc).splitlines()[0]})"
     return VllmFailure(where=where, what=f"{type(exc).__name__}: {text}" if not isinstance(

@@ -1,0 +1,146 @@
+"""vLLM's own pull worker on the simulated fabric, checked by hkvsim's oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hkvsim.cli import main
+from hkvsim.cluster import run_scenario
+from hkvsim.scenario import load_scenarios
+
+ROOT = Path(__file__).resolve().parents[2]
+MATRIX = ROOT / "scenarios" / "vllm" / "tp-matrix-tiny-deepseek.toml"
+
+
+def _scenario(text: str, tmp_path: Path, name: str = "s.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+PULL = """
+[scenario]
+name = "t"
+seed = 5
+[model]
+preset = "tiny-deepseek"
+[connector]
+implementation = "vllm"
+[prefill]
+tp = {p}
+block_size = 64
+[decode]
+tp = {d}
+block_size = 64
+[workload]
+requests = 2
+prompt_tokens = 200
+"""
+
+
+@pytest.mark.timeout(600)
+def test_tp_matrix_is_byte_exact_under_vllm(vllm_required: str) -> None:
+    scenarios = load_scenarios(MATRIX)
+    assert len(scenarios) == 24
+    for s in scenarios:
+        result = run_scenario(s)
+        assert result.implementation == {"name": "vllm", "version": vllm_required}
+        assert result.verified and result.outcome == "ok", (s.scenario.name, result.outcome)
+        assert all(r.status == "ok" and r.mismatched_words == 0 and r.nbytes > 0
+                   for r in result.records), s.scenario.name
+        assert result.leaks["after_shutdown"] == 0 and result.leaks["open_handles"] == 0
+
+
+def test_json_records_the_vllm_release_and_runs_reproduce(vllm_required: str, tmp_path: Path,
+                                                          capsys) -> None:
+    path = _scenario(PULL.format(p=2, d=4), tmp_path)
+    outs = []
+    for _ in range(2):
+        assert main(["run", str(path), "--json", "--requests"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]  # same bytes, same simulated times
+    data = json.loads(outs[0])
+    assert data["implementation"] == {"name": "vllm", "version": vllm_required}
+    assert data["requests"]["byte_exact"] == 2 and data["outcome"] == "ok"
+
+
+def test_a_misrouted_block_is_caught_by_the_oracle(vllm_required: str, tmp_path: Path,
+                                                   monkeypatch) -> None:
+    # planted bug: the adapter hands vLLM prefill's block ids in reverse order; vLLM's READs
+    # all complete, and only hkvsim's independent oracle can tell
+    from hkvsim.implementations.vllm import worker
+
+    real = worker.VllmConnectorWorker.start_read
+
+    def reversed_blocks(self, req):
+        flipped = {g: ids[::-1] for g, ids in req.prefill_blocks.items()}
+        return real(self, dataclasses.replace(req, prefill_blocks=flipped))
+
+    monkeypatch.setattr(worker.VllmConnectorWorker, "start_read", reversed_blocks)
+    result = run_scenario(load_scenarios(_scenario(PULL.format(p=1, d=1), tmp_path))[0])
+    assert all(r.status == "ok" for r in result.records)  # vLLM saw nothing wrong
+    assert result.outcome == "corruption"
+    assert result.corrupted == 2 and result.verified
+
+
+def test_an_assert_inside_vllm_is_a_failure_naming_its_line(vllm_required: str,
+                                                            tmp_path: Path) -> None:
+    # decode asks vLLM to pull more blocks than prefill lists: vLLM's own check refuses it
+    import numpy as np
+    import simpy
+
+    from hkvsim.fabric import Fabric, load_profile, place_engines
+    from hkvsim.geometry.layout import build_layout
+    from hkvsim.geometry.presets import preset
+    from hkvsim.implementations.vllm.engine import VllmHarness
+    from hkvsim.transport.sim import SimWorld
+
+    env = simpy.Environment()
+    profile = load_profile("h200-nvlink")
+    fabric = Fabric(env, profile, place_engines(profile, [("p", "prefill", 1), ("d", "decode", 1)]))
+    world = SimWorld(env, fabric)
+    harness = VllmHarness(lambda: env.now)
+    layout = build_layout(preset("tiny-deepseek"), tp=1, block_size=64, num_blocks=8,
+                          kv_cache_layout="HND", registration_order="sorted")
+    for eid in ("p", "d"):
+        t = world.create_agent(f"{eid}.0", (eid, 0))
+        harness.add_rank(eid, layout, 0, t, t.allocate(layout.total_bytes, mem_type="DRAM"),
+                         "prefill" if eid == "p" else "decode")
+    failure = harness.start_load(harness.engines["d"][0], "r", "r", "p", ([1, 2, 3],), ([4, 5],))
+    env.run()
+    if failure is None:  # vLLM may report it from get_finished instead
+        sending, recving = harness.engines["d"][0].worker.get_finished()
+        bad = harness.engines["d"][0].worker.get_block_ids_with_load_errors()
+        pytest.fail(f"no failure: recving={recving}, load errors={bad}, "
+                    f"posted={harness.engines['d'][0].agent.calls.get('transfer', 0)}")
+    assert failure.where.startswith("vllm/") and ".py:" in failure.where, failure
+    assert str(failure).startswith("vLLM failed at vllm/")
+    assert "assert num_decode_blocks <= len(prefill_group)" in failure.what
+    assert not failure.what.startswith("assert assert")
+    del np
+
+
+def test_without_vllm_a_run_says_how_to_provision_it(tmp_path: Path, capsys,
+                                                     monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not importable, provisioned or not
+    path = _scenario(PULL.format(p=1, d=1), tmp_path)
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"hkvsim: error: {path}: connector.implementation: implementation 'vllm' "
+                   f"needs vLLM, which is not importable here (import of vllm halted; None in "
+                   f"sys.modules); run it with: scripts/with-vllm 0.33.0 hkvsim run FILE")
+
+
+def test_unsupported_cases_are_one_line_errors(vllm_required: str, tmp_path: Path,
+                                               capsys) -> None:
+    text = PULL.format(p=1, d=1).replace('preset = "tiny-deepseek"', 'preset = "tiny-llama"')
+    text = text.replace("block_size = 64", "block_size = 16")
+    assert main(["run", str(_scenario(text, tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "connector.implementation: model 'tiny-llama' is not driven yet" in err
+    assert err.count("\n") == 1
