@@ -142,5 +142,33 @@ def test_unsupported_cases_are_one_line_errors(vllm_required: str, tmp_path: Pat
     text = text.replace("block_size = 64", "block_size = 16")
     assert main(["run", str(_scenario(text, tmp_path))]) == 2
     err = capsys.readouterr().err
-    assert "connector.implementation: model 'tiny-llama' is not driven yet" in err
+    assert "connector.implementation: engine prefill0: GQA caches must use kv_cache_layout NHD" in err
     assert err.count("\n") == 1
+    text = PULL.format(p=1, d=1).replace('preset = "tiny-deepseek"', 'preset = "tiny-kimi-linear"')
+    assert main(["run", str(_scenario(text, tmp_path, "k.toml"))]) == 2
+    err = capsys.readouterr().err
+    assert "connector.implementation: model 'tiny-kimi-linear' is not driven yet" in err
+    assert err.count("\n") == 1
+
+
+def test_gqa_with_homogeneous_tp_is_byte_exact_under_vllm(vllm_required: str) -> None:
+    for s in load_scenarios(ROOT / "scenarios" / "vllm" / "gqa-nhd-tiny-llama.toml"):
+        result = run_scenario(s)
+        assert result.outcome == "ok" and result.verified, s.scenario.name
+        assert result.corrupted == 0 and all(r.nbytes > 0 for r in result.records)
+
+
+def test_gqa_hetero_tp_is_refused_by_both_and_vllm_leaks_the_refused_agent(
+        vllm_required: str) -> None:
+    from hkvsim.implementations.diff import compare_results, with_implementation
+
+    path = ROOT / "scenarios" / "vllm" / "xfail-gqa-nhd-hetero-tp.toml"
+    for s in load_scenarios(path):
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        vllm = run_scenario(s)
+        assert core.handshake_errors and "V5" in core.handshake_errors[0]
+        assert vllm.handshake_errors and "requires contiguous heads" in vllm.handshake_errors[0]
+        assert "base_worker.py:" in vllm.handshake_errors[0]
+        assert compare_results(s.scenario.name, core, vllm) == []
+        assert core.leaks["after_shutdown"] == 0
+        assert vllm.leaks["after_shutdown"] >= 1  # the vLLM finding (docs/vllm.md)

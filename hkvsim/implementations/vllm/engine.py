@@ -120,9 +120,10 @@ def unsupported(model: ModelSpec, mode: str, version: str) -> str | None:
                 f"{', '.join(RUNNABLE_VERSIONS)})")
     if mode != "pull":
         return f"mode {mode!r} is not driven yet with implementation 'vllm' (allowed: pull)"
-    if not isinstance(model.attention, MLAAttentionSpec) or model.state is not None:
+    if model.state is not None:
         return (f"model {model.name!r} is not driven yet with implementation 'vllm' (allowed: "
-                f"MLA models without state, e.g. tiny-deepseek)")
+                f"models without state: MLA, e.g. tiny-deepseek, and GQA with "
+                f"kv_cache_layout NHD, e.g. tiny-llama)")
     return None
 
 
@@ -194,7 +195,13 @@ def _hf_config_dir(model: ModelSpec) -> str:
     """A directory holding a Hugging Face config.json vLLM's ModelConfig accepts for ``model``
     (cache-relevant fields from the spec; the rest small and fixed)."""
     attn = model.attention
-    assert isinstance(attn, MLAAttentionSpec)
+    if not isinstance(attn, MLAAttentionSpec):
+        cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers,
+               "num_attention_heads": 2 * attn.num_kv_heads, "num_key_value_heads":
+               attn.num_kv_heads, "head_dim": attn.head_dim, "intermediate_size": 512,
+               "vocab_size": 1024, "max_position_embeddings": 1 << 16, "torch_dtype": attn.dtype}
+        return _write_config(cfg)
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
            "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers,
            "num_attention_heads": 8, "num_key_value_heads": 8, "kv_lora_rank": attn.kv_lora_rank,
@@ -204,6 +211,10 @@ def _hf_config_dir(model: ModelSpec) -> str:
            "first_k_dense_replace": model.num_layers, "vocab_size": 1024,
            "max_position_embeddings": 1 << 16, "torch_dtype": attn.dtype, "n_group": 1,
            "topk_group": 1}
+    return _write_config(cfg)
+
+
+def _write_config(cfg: dict[str, Any]) -> str:
     text = json.dumps(cfg, sort_keys=True)
     if text not in _HF_DIR:
         d = tempfile.mkdtemp(prefix="hkvsim-vllm-model-")
@@ -239,18 +250,21 @@ class VllmRank:
 
         layout = self.layout
         attn = layout.model.attention
-        dtype = _torch_dtype(attn.cache_dtype or attn.dtype if isinstance(attn, MLAAttentionSpec)
-                             else attn.dtype)
-        width = attn.bytes_per_token(1)
+        mla = isinstance(attn, MLAAttentionSpec)
+        dtype = _torch_dtype(attn.cache_dtype or attn.dtype if mla else attn.dtype)
         caches = {}
         for region in layout.regions:
             raw = self.memory.array[region.tensor_offset:region.tensor_offset
                                     + region.tensor_bytes]
             t = torch.from_numpy(raw).view(dtype)
-            per_token = width // t.element_size()
+            if mla:  # (blocks, tokens, latent + rope)
+                shape = (layout.num_kernel_blocks, layout.kernel_block_size,
+                         attn.bytes_per_token(1) // t.element_size())
+            else:  # hkvsim NHD = vLLM LBNHC with K|V packed in the content dim
+                shape = (layout.num_kernel_blocks, layout.kernel_block_size,
+                         attn.heads_per_rank(layout.tp), 2 * attn.head_dim)
             for layer in region.layers:
-                caches[self.layer_name(layer)] = t.view(layout.num_kernel_blocks,
-                                                        layout.kernel_block_size, per_token)
+                caches[self.layer_name(layer)] = t.view(*shape)
         return caches
 
 
@@ -321,13 +335,19 @@ class VllmHarness:
             MLAAttentionSpec as VllmMLASpec,
         )
 
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
         layout = rank.layout
         attn = layout.model.attention
-        assert isinstance(attn, MLAAttentionSpec)
         dtype = _torch_dtype(attn.dtype)
-        spec = VllmMLASpec(block_size=layout.logical_block_size, num_kv_heads=1,
-                           head_size=attn.kv_lora_rank + attn.rope_dim, dtype=dtype,
-                           cache_dtype_str=attn.cache_dtype or "auto")
+        if isinstance(attn, MLAAttentionSpec):
+            spec = VllmMLASpec(block_size=layout.logical_block_size, num_kv_heads=1,
+                               head_size=attn.kv_lora_rank + attn.rope_dim, dtype=dtype,
+                               cache_dtype_str=attn.cache_dtype or "auto")
+        else:
+            spec = FullAttentionSpec(block_size=layout.logical_block_size,
+                                     num_kv_heads=attn.heads_per_rank(layout.tp),
+                                     head_size=attn.head_dim, dtype=dtype)
         names = [rank.layer_name(layer) for layer in layout.model.attention_layers]
         tensors = [KVCacheTensor(size=r.tensor_bytes, layers=[rank.layer_name(lay) for lay in
                                                               r.layers],
@@ -446,6 +466,18 @@ def _building() -> VllmRank:
     return rank
 
 
+def _backend(model: ModelSpec) -> Any:
+    """vLLM's attention backend class for the model's backend (its kernel block sizes and name
+    feed the compatibility hash and the block-size logic)."""
+    if isinstance(model.attention, MLAAttentionSpec):
+        from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
+
+        return FlashMLABackend
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    return FlashAttentionBackend
+
+
 def _install_patches() -> None:
     import importlib
 
@@ -461,15 +493,13 @@ def _install_patches() -> None:
     def zmq_ctx(_socket_type: Any, path: str) -> Iterator[_HandshakeSocket]:
         yield _HandshakeSocket(_active(), path)
 
-    from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
-
     bw.NixlWrapper = lambda _name, _config=None: _building().agent
     bw.nixl_agent_config = None
     bw.check_nixl_version = lambda *_a, **_k: None
     bw.zmq_ctx = zmq_ctx
     bw.get_tensor_model_parallel_rank = lambda: _building().rank
     bw.get_tensor_model_parallel_world_size = lambda: _building().layout.tp
-    bw.get_current_attn_backends = lambda *_a, **_k: [FlashMLABackend]
+    bw.get_current_attn_backends = lambda *_a, **_k: [_backend(_building().layout.model)]
     bw.get_current_attn_backends_and_specs = (
         lambda _c, _k, fallback: (fallback, [None] * len(fallback)))
     bw.current_platform = _Platform(bw.current_platform)
