@@ -160,6 +160,7 @@ class TransportNixlAgent:
         self.calls: dict[str, int] = {}  # call counts, for reports and tests
         self._created: list[int] = []  # transfer handles, in creation order
         self._telemetry: dict[int, XferTelemetry] = {}  # kept when a handle is released
+        self._held: dict[str, list[bytes]] = {}  # notifications peeked, not yet read by vLLM
 
     def _count(self, call: str) -> None:
         self.calls[call] = self.calls.get(call, 0) + 1
@@ -343,7 +344,21 @@ class TransportNixlAgent:
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         self._count("get_new_notifs")
-        return self._call(self.transport.get_new_notifs)
+        fresh = self._call(self.transport.get_new_notifs)
+        if not self._held:
+            return fresh
+        held, self._held = self._held, {}
+        for agent, messages in fresh.items():
+            held.setdefault(agent, []).extend(messages)
+        return held
+
+    def peek_notifs(self) -> dict[str, list[bytes]]:
+        """Take the transport's new notifications without consuming them: the next
+        ``get_new_notifs`` (vLLM's) still returns them, in order."""
+        fresh = self._call(self.transport.get_new_notifs)
+        for agent, messages in fresh.items():
+            self._held.setdefault(agent, []).extend(messages)
+        return fresh
 
     # ---- other agent calls vLLM makes that change nothing here -----------------------------
     def create_backend(self, *args: Any, **kw: Any) -> None:

@@ -14,7 +14,8 @@ thread runs (handshakes complete synchronously); vLLM's ``time.perf_counter`` re
 clock. A failure inside vLLM (an assert, an exception) becomes a rank failure naming vLLM's
 file:line (:class:`VllmFailure`), never an hkvsim crash.
 
-Scope today (docs/vllm.md): vLLM 0.33.0, pull, MLA models without state (e.g. tiny-deepseek).
+Scope today (docs/vllm.md): vLLM 0.26.0 and 0.33.0, pull, models without state (MLA; GQA with
+NHD caches).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ __all__ = ["VllmUnavailable", "VllmFailure", "SUPPORTED_VERSIONS", "load_vllm", 
 log = logging.getLogger("hkvsim.vllm")
 
 SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.33.0")
-RUNNABLE_VERSIONS = ("0.33.0",)  # the versions this harness drives today
+RUNNABLE_VERSIONS = ("0.26.0", "0.33.0")  # the versions this harness drives today
 PROVISION_HINT = "scripts/with-vllm 0.33.0 hkvsim run FILE"
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 _CLOCK_MODULES = ("base_worker", "pull_worker", "push_worker", "base_scheduler",
@@ -80,8 +81,7 @@ def vllm_failure(exc: BaseException) -> VllmFailure:
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/vllm/" in
                   f.filename.replace(os.sep, "/")]
         line = (frames[-1].line or "").strip() if frames else ""
-        text = line if line.startswith("assert") else (f"assert {line}" if line else
-                                                         "assertion failed")
+        text = line if line.startswith("assert") else "AssertionError"
         if str(exc):
             text += f" ({str(exc).splitlines()[0]})"
     return VllmFailure(where=where, what=f"{type(exc).__name__}: {text}" if not isinstance(
@@ -93,6 +93,9 @@ def load_vllm() -> str:
     the provisioning command when vLLM is not importable."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # vLLM's own logging setup writes INFO lines to stdout (0.26), which would corrupt --json:
+    # leave its loggers to Python's defaults (warnings and errors on stderr)
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     try:
         import importlib
 
@@ -224,6 +227,13 @@ def _write_config(cfg: dict[str, Any]) -> str:
     return _HF_DIR[text]
 
 
+def _params(cls: Any) -> set[str]:
+    """The parameter names a vLLM class takes (its fields changed between releases)."""
+    import inspect
+
+    return set(inspect.signature(cls).parameters)
+
+
 def _torch_dtype(name: str) -> Any:
     import torch
 
@@ -239,6 +249,7 @@ class VllmRank:
         self.harness, self.engine_id, self.layout, self.rank = harness, engine_id, layout, rank
         self.transport, self.memory, self.role = transport, memory, role
         self.agent = TransportNixlAgent(transport, [memory])
+        self.expected: set[str] = set()  # requests this prefill rank's vLLM worker tracks
         self.worker = harness.build_worker(self)
 
     def layer_name(self, layer: int) -> str:
@@ -349,10 +360,16 @@ class VllmHarness:
                                      num_kv_heads=attn.heads_per_rank(layout.tp),
                                      head_size=attn.head_dim, dtype=dtype)
         names = [rank.layer_name(layer) for layer in layout.model.attention_layers]
-        tensors = [KVCacheTensor(size=r.tensor_bytes, layers=[rank.layer_name(lay) for lay in
-                                                              r.layers],
-                                 layer_stride=r.tensor_bytes, block_stride=layout.unified_page_bytes)
-                   for r in layout.regions]
+        fields = _params(KVCacheTensor)
+        tensors = []
+        for r in layout.regions:
+            names_r = [rank.layer_name(lay) for lay in r.layers]
+            if "layers" in fields:  # >= 0.27
+                tensors.append(KVCacheTensor(size=r.tensor_bytes, layers=names_r,
+                                             layer_stride=r.tensor_bytes,
+                                             block_stride=layout.unified_page_bytes))
+            else:  # 0.26: shared_by
+                tensors.append(KVCacheTensor(size=r.tensor_bytes, shared_by=names_r))
         return KVCacheConfig(num_blocks=layout.num_logical_blocks, kv_cache_tensors=tensors,
                              kv_cache_groups=[KVCacheGroupSpec(names, spec)])
 
@@ -360,10 +377,14 @@ class VllmHarness:
         import importlib
 
         pw = importlib.import_module(f"{_NIXL}.pull_worker")
+        from vllm.config import set_current_vllm_config
+
         self._building = rank
         try:
-            worker = pw.NixlPullConnectorWorker(self.vllm_config(rank), rank.engine_id,
-                                                self.kv_cache_config(rank))
+            config = self.vllm_config(rank)
+            with set_current_vllm_config(config):
+                worker = pw.NixlPullConnectorWorker(config, rank.engine_id,
+                                                    self.kv_cache_config(rank))
             worker._handshake_initiation_executor.shutdown(wait=False)
             worker._handshake_initiation_executor = _SyncExecutor()
             worker.register_kv_caches(rank.kv_caches())
@@ -401,9 +422,10 @@ class VllmHarness:
         )
 
         meta = NixlConnectorMetadata()
+        extra = {"awaiting_kvs": True} if "awaiting_kvs" in _params(ReqMeta) else {}  # >= 0.27
         meta.reqs_to_recv[request_id] = ReqMeta(
             local_block_ids=local, local_physical_block_ids=local,
-            tp_size=len(self.engines[prefill]), awaiting_kvs=True,
+            tp_size=len(self.engines[prefill]), **extra,
             remote=RemoteMeta(block_ids=remote, host=prefill, port=5600, engine_id=prefill,
                               request_id=prefill_request_id))
         meta.reqs_in_batch.add(request_id)
@@ -412,6 +434,28 @@ class VllmHarness:
         except Exception as exc:
             return vllm_failure(exc)
         return None
+
+    def expect_send(self, rank: VllmRank, request_id: str) -> None:
+        """Tell a prefill rank's vLLM worker that ``request_id``'s blocks wait to be read (what
+        vLLM's scheduler does when prefill finishes), once, before vLLM reads the request's
+        first notification. The lease stays the coordinator's: vLLM's is set far out."""
+        if request_id in rank.expected:
+            return
+        rank.expected.add(request_id)
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+        )
+
+        meta = NixlConnectorMetadata()
+        meta.reqs_in_batch.add(request_id)
+        meta.reqs_to_send[request_id] = self.now() + 1e9
+        if hasattr(meta, "scheduler_clock"):
+            meta.scheduler_clock = self.now()
+        try:
+            rank.worker.start_load_kv(meta)
+        except Exception as exc:
+            log.warning("vLLM refused to track %s on %s.%d: %s", request_id, rank.engine_id,
+                        rank.rank, vllm_failure(exc))
 
     def start_pull(self, decode: str, prefill: str, request_id: str, local_blocks: np.ndarray,
                    remote_blocks: np.ndarray) -> dict[int, VllmFailure | None]:
@@ -503,6 +547,15 @@ def _install_patches() -> None:
     bw.get_current_attn_backends_and_specs = (
         lambda _c, _k, fallback: (fallback, [None] * len(fallback)))
     bw.current_platform = _Platform(bw.current_platform)
+    # 0.26: the worker reads the layout from get_kv_cache_layout(), not from the cache config;
+    # the caches built here are NHD-interleaved (LBNHC), so say so
+    with contextlib.suppress(ImportError):
+        utils = importlib.import_module("vllm.v1.attention.backends.utils")
+        if hasattr(utils, "_KV_CACHE_LAYOUT_OVERRIDE"):
+            utils._KV_CACHE_LAYOUT_OVERRIDE = "NHD"
+            clear = getattr(utils.get_kv_cache_layout, "cache_clear", None)
+            if clear is not None:  # it is memoized: a value read before now must not stick
+                clear()
     _PATCHED.append(True)
 
 

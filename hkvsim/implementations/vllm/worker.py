@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+import logging
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,8 @@ from .agent import NixlAgentError
 from .engine import VllmFailure, VllmHarness, VllmRank, vllm_failure
 
 __all__ = ["VllmConnectorWorker"]
+
+log = logging.getLogger("hkvsim.vllm")
 
 
 @dataclass
@@ -165,13 +168,33 @@ class VllmConnectorWorker:
         return []
 
     def take_messages(self) -> list[bytes]:
-        if self.role == "decode":
-            return []  # vLLM's decode worker reads its own notifications in get_finished
+        """Prefill: vLLM's own worker counts the read notifications and says when a request's
+        blocks may go (``get_finished``'s done-sending set, by its release's rule); each such
+        request becomes one ``"{request}:1"`` message for the coordinator, which frees the
+        blocks once every prefill rank has sent its. Other messages (heartbeats) pass as they
+        came. Decode: nothing (vLLM's decode worker reads its own notifications)."""
+        if self.role == "decode" or self.vllm is None:
+            return []
+        agent = self.vllm.agent
         try:
-            notifs = self.transport.get_new_notifs()
-        except Exception as exc:  # pragma: no cover - a transport that cannot be polled
-            raise NixlAgentError(str(exc)) from None
-        return [m for messages in notifs.values() for m in messages]
+            peeked = agent.peek_notifs()
+        except NixlAgentError:
+            return []
+        passed: list[bytes] = []
+        for message in (m for messages in peeked.values() for m in messages):
+            if message.startswith(b"HB:"):
+                passed.append(message)
+                continue
+            rid = message.decode(errors="replace").rpartition(":")[0]
+            if rid:
+                self.harness.expect_send(self.vllm, rid)
+        try:
+            sending, _recving = self.vllm.worker.get_finished()
+        except Exception as exc:
+            log.warning("vLLM's prefill get_finished failed on %s.%d: %s", self.engine_id,
+                        self.tp_rank, vllm_failure(exc))
+            return passed
+        return passed + [f"{rid}:1".encode() for rid in sorted(sending or ())]
 
     # ---- post-processing and eviction ------------------------------------------------------
     def zero_sub_blocks(self, sub_block_ids: np.ndarray, bsr: int) -> None:
