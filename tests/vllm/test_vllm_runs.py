@@ -175,3 +175,21 @@ def test_gqa_hetero_tp_is_refused_by_both_and_vllm_leaks_the_refused_agent(
         assert compare_results(s.scenario.name, core, vllm) == []
         assert core.leaks["after_shutdown"] == 0
         assert vllm.leaks["after_shutdown"] >= 1  # the vLLM finding (docs/vllm.md)
+
+
+def test_no_vllm_thread_runs(vllm_required: str, tmp_path: Path, monkeypatch) -> None:
+    # determinism: vLLM's handshake executor is replaced by a synchronous one and nothing else
+    # starts a thread on the pull path, so nothing races the simulated clock
+    import threading
+
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        started.append(self.name)
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    result = run_scenario(load_scenarios(_scenario(PULL.format(p=2, d=1), tmp_path))[0])
+    assert result.outcome == "ok"
+    assert started == []

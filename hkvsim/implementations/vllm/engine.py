@@ -14,7 +14,7 @@ thread runs (handshakes complete synchronously); vLLM's ``time.perf_counter`` re
 clock. A failure inside vLLM (an assert, an exception) becomes a rank failure naming vLLM's
 file:line (:class:`VllmFailure`), never an hkvsim crash.
 
-Scope today (docs/vllm.md): vLLM 0.26.0 and 0.33.0, pull, models without state (MLA; GQA with
+Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0 and 0.33.0, pull, models without state (MLA; GQA with
 NHD caches).
 """
 
@@ -46,7 +46,7 @@ __all__ = ["VllmUnavailable", "VllmFailure", "SUPPORTED_VERSIONS", "load_vllm", 
 log = logging.getLogger("hkvsim.vllm")
 
 SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.33.0")
-RUNNABLE_VERSIONS = ("0.26.0", "0.33.0")  # the versions this harness drives today
+RUNNABLE_VERSIONS = ("0.26.0", "0.27.0", "0.33.0")  # the versions this harness drives
 PROVISION_HINT = "scripts/with-vllm 0.33.0 hkvsim run FILE"
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 _CLOCK_MODULES = ("base_worker", "pull_worker", "push_worker", "base_scheduler",
