@@ -193,3 +193,23 @@ def test_no_vllm_thread_runs(vllm_required: str, tmp_path: Path, monkeypatch) ->
     result = run_scenario(load_scenarios(_scenario(PULL.format(p=2, d=1), tmp_path))[0])
     assert result.outcome == "ok"
     assert started == []
+
+
+def test_vllm_refusing_to_build_a_rank_is_one_line(vllm_required: str, tmp_path: Path, capsys,
+                                                   monkeypatch) -> None:
+    # a step inside vLLM's worker constructor raises (standing in for vLLM refusing a config)
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("cpu with cpu kv_buffer is not supported.")
+
+    monkeypatch.setattr(base_worker.NixlBaseConnectorWorker, "_sync_block_size_with_kernel",
+                        refuse)
+    path = _scenario(PULL.format(p=1, d=1), tmp_path)
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hkvsim: error: {path}: connector.implementation: prefill0 rank 0: "
+                          f"vLLM failed at vllm/distributed/kv_transfer/kv_connector/v1/nixl/"
+                          f"base_worker.py:")
+    assert "RuntimeError: cpu with cpu kv_buffer is not supported." in err
+    assert err.count("\n") == 1

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import tempfile
 import traceback
 import types
@@ -69,23 +70,32 @@ class VllmFailure(Exception):
         return f"vLLM failed at {self.where}: {self.what}"
 
 
+def _vllm_root() -> str | None:
+    """The directory holding the imported vllm package's parent (frames under it are vLLM's)."""
+    mod = sys.modules.get("vllm")
+    path = getattr(mod, "__file__", None)
+    return os.path.dirname(os.path.dirname(os.path.abspath(path))) if path else None
+
+
 def vllm_failure(exc: BaseException) -> VllmFailure:
-    """Name the innermost frame of vLLM's own code in ``exc``'s traceback."""
+    """Name the innermost frame of vLLM's own code in ``exc``'s traceback (file:line relative
+    to vLLM's installation, e.g. ``vllm/distributed/.../base_worker.py:3791``)."""
+    root = _vllm_root()
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if root is not None and os.path.abspath(f.filename).startswith(
+                  os.path.join(root, "vllm") + os.sep)]
     where = "?"
-    for frame in traceback.extract_tb(exc.__traceback__):
-        path = frame.filename.replace(os.sep, "/")
-        if "/vllm/" in path and "/hkvsim/" not in path:
-            where = f"{path[path.rindex('/vllm/') + 1:]}:{frame.lineno}"
+    if frames:
+        rel = os.path.relpath(os.path.abspath(frames[-1].filename), root)
+        where = f"{rel.replace(os.sep, '/')}:{frames[-1].lineno}"
     text = str(exc).splitlines()[0] if str(exc) else ""
     if isinstance(exc, AssertionError):
-        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/vllm/" in
-                  f.filename.replace(os.sep, "/")]
         line = (frames[-1].line or "").strip() if frames else ""
-        text = line if line.startswith("assert") else "AssertionError"
-        if str(exc):
-            text += f" ({str(exc).splitlines()[0]})"
-    return VllmFailure(where=where, what=f"{type(exc).__name__}: {text}" if not isinstance(
-        exc, AssertionError) else text)
+        what = line if line.startswith("assert") else "AssertionError"
+        if text:
+            what += f" ({text})"
+        return VllmFailure(where=where, what=what)
+    return VllmFailure(where=where, what=f"{type(exc).__name__}: {text}")
 
 
 def load_vllm() -> str:
@@ -288,6 +298,7 @@ class VllmHarness:
             raise VllmUnavailable(f"vLLM {self.version} is importable but this harness drives "
                                   f"only {', '.join(RUNNABLE_VERSIONS)} today")
         self.now = now
+        self.source: str | None = None  # the scenario file, for error lines
         self.engines: dict[str, list[VllmRank]] = {}
         self._building: VllmRank | None = None
         self._patch()

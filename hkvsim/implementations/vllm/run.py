@@ -53,6 +53,7 @@ def vllm_worker_factory(dep: Deployment, *, now: Callable[[], float], moves_byte
     from .worker import VllmConnectorWorker
 
     harness = VllmHarness(now)
+    harness.source = source
 
     def make(**kw: Any) -> VllmConnectorWorker:
         return VllmConnectorWorker(harness=harness, **kw)

@@ -27,6 +27,7 @@ import numpy as np
 from ...connector.validate import HandshakeError
 from ...connector.worker import ConnectorSettings, ReadRequest, RequestOutcome
 from ...geometry.layout import EngineLayout
+from ...scenario import ScenarioError
 from ...transport.base import Memory, Transport
 from .agent import NixlAgentError
 from .engine import VllmFailure, VllmHarness, VllmRank, vllm_failure
@@ -66,8 +67,13 @@ class VllmConnectorWorker:
         # memory is
         self.memory = self.transport.allocate(self.layout.total_bytes, mem_type="DRAM",
                                               device_id=0)
-        self.vllm = self.harness.add_rank(self.engine_id, self.layout, self.tp_rank,
-                                          self.transport, self.memory, self.role)
+        try:
+            self.vllm = self.harness.add_rank(self.engine_id, self.layout, self.tp_rank,
+                                              self.transport, self.memory, self.role)
+        except VllmFailure as exc:  # vLLM refused to build this rank: the run cannot start
+            raise ScenarioError(f"{self.engine_id} rank {self.tp_rank}: {exc}",
+                                source=self.harness.source,
+                                key="connector.implementation") from None
         return self.memory
 
     def handshake_payload(self) -> bytes:
