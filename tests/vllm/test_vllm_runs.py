@@ -213,3 +213,15 @@ def test_vllm_refusing_to_build_a_rank_is_one_line(vllm_required: str, tmp_path:
                           f"base_worker.py:")
     assert "RuntimeError: cpu with cpu kv_buffer is not supported." in err
     assert err.count("\n") == 1
+
+
+def test_vllm_on_the_real_nixl_backend_is_refused_not_run_as_hkvsim(tmp_path: Path,
+                                                                     capsys) -> None:
+    # the NIXL backend's rank processes run hkvsim's core: running them for a scenario that
+    # asks for vLLM would report hkvsim's results as vLLM's
+    path = _scenario(PULL.format(p=1, d=1), tmp_path)
+    assert main(["run", str(path), "--backend", "nixl"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"hkvsim: error: {path}: connector.implementation: implementation 'vllm' runs "
+                   f"on the simulated fabric only (--backend sim); --backend nixl is not "
+                   f"supported with it yet\n")
