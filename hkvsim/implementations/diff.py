@@ -4,7 +4,8 @@ where they differ.
 Both runs use the same deployment, coordinator, simulated fabric, workload and oracle; only the
 connector code differs. Compared, per variant: the handshake verdict (the errors each reported);
 per request: its status and failure class, the transfers it took (one READ per source rank in
-pull), its descriptor count, the bytes moved, and the oracle's verdict on its bytes.
+pull) and the ranks they ran between (the fabric path of each), its descriptor count, the bytes
+moved, and the oracle's verdict on its bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from ..scenario import Scenario
 
 __all__ = ["Difference", "compare_results", "with_implementation", "diff_scenario"]
 
-FIELDS = ("status", "failure_class", "transfers", "descriptors", "nbytes", "byte_exact")
+FIELDS = ("status", "failure_class", "transfers", "sources", "descriptors", "nbytes",
+          "byte_exact")
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,19 @@ def with_implementation(scenario: Scenario, implementation: str) -> Scenario:
     return scenario.model_copy(update={"connector": connector})
 
 
+def _sources(telemetry: list[dict[str, Any]]) -> list[str]:
+    """Where each transfer's bytes came from and went to, as the fabric routed them (the first
+    and last link of its path: the source rank's and the destination rank's ports)."""
+    out = []
+    for t in telemetry:
+        path = t.get("path") or ()
+        out.append(f"{path[0]} -> {path[-1]}" if path else "?")
+    return sorted(out)
+
+
 def _request_view(result: RunResult) -> list[dict[str, Any]]:
     return [{"status": r.status, "failure_class": r.failure_class, "transfers": r.transfers,
+             "sources": _sources(r.telemetry),
              "descriptors": r.descriptors, "nbytes": r.nbytes,
              "byte_exact": (r.status == "ok" and r.mismatched_words == 0) if result.verified
              else None} for r in result.records]

@@ -48,6 +48,11 @@ def test_compare_names_each_field_that_differs(tmp_path: Path) -> None:
     assert sorted({d.request for d in found}) == [0, 1]
     assert all(d.hkvsim < d.vllm for d in found)
     assert compare_results("v", a, a) == []
+    # the same bytes read from another source rank is a difference too
+    c = run_scenario(with_implementation(short, "hkvsim"))
+    c.records[1].telemetry[0]["path"] = ["n9g9.nvl.tx"] + list(c.records[1].telemetry[0]["path"][1:])
+    found = compare_results("v", a, c)
+    assert [(d.request, d.field) for d in found] == [(1, "sources")]
 
 
 def test_diff_agrees_on_mla_pull_and_reports_a_planted_divergence(
