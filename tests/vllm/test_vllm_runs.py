@@ -225,3 +225,15 @@ def test_vllm_on_the_real_nixl_backend_is_refused_not_run_as_hkvsim(tmp_path: Pa
     assert err == (f"hkvsim: error: {path}: connector.implementation: implementation 'vllm' runs "
                    f"on the simulated fabric only (--backend sim); --backend nixl is not "
                    f"supported with it yet\n")
+
+
+def test_a_failed_transfer_fails_its_request_under_vllm(vllm_required: str) -> None:
+    from hkvsim.implementations.diff import compare_results, with_implementation
+
+    s = load_scenarios(ROOT / "scenarios" / "vllm" / "fail-transfer-tiny-deepseek.toml")[0]
+    vllm = run_scenario(s)
+    assert [r.status for r in vllm.records] == ["ok", "failed", "ok"]
+    assert vllm.records[1].failure_class == "transfer_failed"
+    assert "vLLM reported load errors for blocks" in vllm.records[1].reason
+    assert vllm.corrupted == 0 and vllm.verified
+    assert compare_results("f", run_scenario(with_implementation(s, "hkvsim")), vllm) == []

@@ -146,13 +146,13 @@ class VllmConnectorWorker:
         flight = self._in_flight.pop(rid)
         out = flight.outcome
         assert self.vllm is not None
-        tel = [self.vllm.agent.telemetry_of(h) for h in flight.handles]
-        out.telemetry = [t for t in tel if t is not None]
+        tel = [t for t in (self.vllm.agent.telemetry_of(h) for h in flight.handles)
+               if t is not None]
         out.transfers = len(flight.handles)
-        out.descriptors = sum(t.descriptors for t in out.telemetry)
-        out.nbytes = sum(t.nbytes for t in out.telemetry)
-        if failure is None:
-            out.ok = True
+        out.descriptors = sum(t.descriptors for t in tel)
+        out.nbytes = sum(t.nbytes for t in tel)
+        if failure is None:  # as hkvsim's worker: telemetry of a request that completed
+            out.ok, out.telemetry = True, tel
         else:
             out.reason, out.failure_class = str(failure), failure.kind
         return out
