@@ -237,3 +237,35 @@ def test_a_failed_transfer_fails_its_request_under_vllm(vllm_required: str) -> N
     assert "vLLM reported load errors for blocks" in vllm.records[1].reason
     assert vllm.corrupted == 0 and vllm.verified
     assert compare_results("f", run_scenario(with_implementation(s, "hkvsim")), vllm) == []
+
+
+def test_vllm_reads_the_simulated_clock(vllm_required: str) -> None:
+    # leases, heartbeats and engine TTLs inside vLLM must follow simulated time, not wall time
+    import importlib
+
+    import simpy
+
+    from hkvsim.fabric import Fabric, load_profile, place_engines
+    from hkvsim.geometry.layout import build_layout
+    from hkvsim.geometry.presets import preset
+    from hkvsim.implementations.vllm.engine import VllmHarness
+    from hkvsim.transport.sim import SimWorld
+
+    env = simpy.Environment()
+    profile = load_profile("h200-nvlink")
+    fabric = Fabric(env, profile, place_engines(profile, [("p", "prefill", 1), ("d", "decode", 1)]))
+    world = SimWorld(env, fabric)
+    harness = VllmHarness(lambda: env.now)
+    layout = build_layout(preset("tiny-deepseek"), tp=1, block_size=64, num_blocks=8,
+                          kv_cache_layout="HND", registration_order="sorted")
+    for eid in ("p", "d"):
+        t = world.create_agent(f"{eid}.0", (eid, 0))
+        harness.add_rank(eid, layout, 0, t, t.allocate(layout.total_bytes, mem_type="DRAM"),
+                         "prefill" if eid == "p" else "decode")
+    env.run(until=1234.5)
+    nixl = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+    for name in ("base_worker", "pull_worker"):
+        assert importlib.import_module(f"{nixl}.{name}").time.perf_counter() == 1234.5
+    assert harness.start_load(harness.engines["d"][0], "r", "r", "p", ([1],), ([2],)) is None
+    worker = harness.engines["d"][0].worker
+    assert worker._engine_last_active["p"] == 1234.5  # stamped at the handshake
