@@ -160,6 +160,13 @@ def _run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Any]]
                                 on_chunk=step), scenarios
     if args.backend == "nixl":  # real NIXL, one process per rank (hkvsim/backends)
         from .drivers.nixl import run_for_cli
+        from .scenario import ScenarioError
+
+        for i in indices:
+            if scenarios[i].connector.implementation != "hkvsim":
+                raise ScenarioError("implementation 'vllm' runs on the simulated fabric only "
+                                    "(--backend sim); --backend nixl is not supported with it yet",
+                                    source=scenarios[i].source, key="connector.implementation")
 
         results = run_for_cli([scenarios[i] for i in indices], timing_only=args.timing_only,
                               progress=_progress)
@@ -447,6 +454,32 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Run each variant with hkvsim's connector core and with vLLM's; list where they differ.
+    Exit 0 when they agree everywhere, 1 when they differ."""
+    from .implementations.diff import diff_scenario
+
+    scenarios = _load(args.file)
+    diffs, variants = [], []
+    for s in scenarios:
+        found, core, vllm = diff_scenario(s)
+        diffs += found
+        variants.append({"variant": s.scenario.name, "differences": len(found),
+                         "hkvsim_outcome": core.outcome, "vllm_outcome": vllm.outcome,
+                         "vllm_version": vllm.implementation.get("version")})
+    if args.json:
+        _emit_json({"source": args.file, "variants": variants,
+                    "differences": [d.as_dict() for d in diffs]})
+    else:
+        for v in variants:
+            print(f"{v['variant']}: hkvsim {v['hkvsim_outcome']}, vLLM {v['vllm_version']} "
+                  f"{v['vllm_outcome']}, {v['differences']} difference(s)")
+        for d in diffs:
+            print(f"  {d}")
+        print(f"{len(diffs)} difference(s) in {len(variants)} variant(s)")
+    return EXIT_OK if not diffs else EXIT_EXPECTATION
+
+
 def cmd_quirks(args: argparse.Namespace) -> int:
     from .connector.quirks import QUIRKS
 
@@ -596,6 +629,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the model presets and their key numbers")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_presets)
+    p = sub.add_parser("diff", help="run a scenario with hkvsim's connector core and with "
+                                    "vLLM's (needs scripts/with-vllm); list where they differ")
+    p.add_argument("file", help="scenario file (.toml)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_diff)
     p = sub.add_parser("quirks", help="list the named replays of known connector bugs")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_quirks)

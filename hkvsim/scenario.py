@@ -415,6 +415,8 @@ class ConnectorSection(_Section):
     # a remote engine idle this long is evicted when a new handshake starts (DOMAIN.md §9.4)
     engine_ttl_seconds: PositiveFloat = 3600.0
     host_buffer: Bool = False
+    # whose connector code runs: hkvsim's own core, or a vLLM release's (docs/vllm.md)
+    implementation: Literal["hkvsim", "vllm"] = "hkvsim"
 
     @field_validator("quirks")
     @classmethod

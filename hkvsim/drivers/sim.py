@@ -65,15 +65,22 @@ class SimDriver:
         self.ranks: dict[RankId, RankExecutor] = {}
         self._agent_rank: dict[str, RankId] = {}
         self._base: dict[RankId, int] = {}
+        self.implementation: dict[str, str] = {}
+        make_worker: Callable[..., Any] = ConnectorWorker
+        if scenario.connector.implementation == "vllm":
+            from ..implementations.vllm.run import vllm_worker_factory
+
+            make_worker, self.implementation = vllm_worker_factory(
+                self.dep, now=lambda: self.env.now, moves_bytes=self.world.move_bytes)
         for spec in self.dep.all_engines():
             settings = self.dep.settings[spec.role]
             oracle = Oracle(spec.layout.model) if self.verify else None
             for r in range(spec.tp):
                 rank = (spec.engine_id, r)
                 transport = self.world.create_agent(f"{spec.engine_id}.{r}", rank)
-                worker = ConnectorWorker(engine_id=spec.engine_id, role=spec.role, tp_rank=r,
-                                         layout=spec.layout, transport=transport,
-                                         settings=settings, device_id=r)
+                worker = make_worker(engine_id=spec.engine_id, role=spec.role, tp_rank=r,
+                                     layout=spec.layout, transport=transport,
+                                     settings=settings, device_id=r)
                 try:
                     memory = worker.register(mem_type=profile.memory)
                 except TransportError as exc:  # as a NIXL rank process fails at setup
@@ -241,7 +248,7 @@ class SimDriver:
                          misplaced_write_reports=coord.misplaced_write_reports,
                          handshake_errors=coord.handshake_errors, leaks=leaks, counters=counters,
                          sim_seconds=coord.makespan(), layouts=layouts, warnings=coord.warnings(),
-                         verified=self.verify,
+                         verified=self.verify, implementation=dict(self.implementation),
                          link_segments=self.fabric.link_segments())
 
 
