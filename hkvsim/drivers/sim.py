@@ -154,7 +154,8 @@ class SimDriver:
     def _on_activity(self, rank: RankId) -> None:
         """A transfer of, or a message to, the rank completed: poll it (the sans-I/O core is
         driven from here, as the engine's step loop drives the reference connector)."""
-        events = self.ranks[rank].poll()
+        executor = self.ranks[rank]
+        events = executor.poll(executor.worker.transport.take_finished())
         if events:
             self._deliver(lambda: self.coord.on_events(events, self.env.now))
 

@@ -65,6 +65,7 @@ class _Xfer:
     poll_raises: bool = False
     owner: Any = None  # SimWorld.post_owner when the transfer was created (who it is for)
     stray: bool = False  # the landing guard found it aimed at blocks its owner does not hold
+    handle: int = 0
 
 
 @dataclass(eq=False)
@@ -198,6 +199,7 @@ class SimTransport:
         self._remotes: set[str] = set()
         self._peers = PeerRegistrations()
         self._sizes: dict[int, int] = {}
+        self._finished: list[int] = []  # handles that left PROC since take_finished()
 
     # ---- memory --------------------------------------------------------------------------
     def allocate(self, nbytes: int, *, mem_type: str = "VRAM", device_id: int = 0) -> Memory:
@@ -305,7 +307,8 @@ class SimTransport:
                                           what=f"{self.name}: {op} with {remote.agent}")
         handle = next(self._ids)
         self._xfers[handle] = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
-                                    notif=bytes(notif), nbytes=nbytes, owner=self.world.post_owner)
+                                    notif=bytes(notif), nbytes=nbytes, owner=self.world.post_owner,
+                                    handle=handle)
         return handle
 
     def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
@@ -346,7 +349,8 @@ class SimTransport:
         self._xfers[handle] = _Xfer(op=op, local=_DList(agent=self.name, descs=ld), local_ids=ids,
                                     remote=_DList(agent=remote_agent, descs=rd), remote_ids=ids,
                                     notif=bytes(notif), nbytes=int(ld[:, 1].sum()),
-                                    rows=int(la.shape[0]), owner=self.world.post_owner)
+                                    rows=int(la.shape[0]), owner=self.world.post_owner,
+                                    handle=handle)
         return handle
 
     def _xfer(self, handle: int) -> _Xfer:
@@ -414,6 +418,7 @@ class SimTransport:
         x.timing = timing
         if x.state == PROC:
             x.state, x.error = ERR, reason
+            self._finished.append(x.handle)
         self.world._wake(self.name)
 
     def _complete(self, x: _Xfer, timing: Any) -> None:
@@ -435,6 +440,7 @@ class SimTransport:
                 x.state = DONE
             except TransportError as exc:
                 x.state, x.error = ERR, str(exc)
+        self._finished.append(x.handle)
         if x.state == DONE and x.notif:
             self.world.send(self.name, remote.name, x.notif)
         self.world._wake(self.name)
@@ -464,6 +470,12 @@ class SimTransport:
         else:
             moved = copy_ranges(rmem.array, roff, lmem.array, loff, lengths)
         self.world.bytes_moved += moved
+
+    def take_finished(self) -> list[int]:
+        """Handles whose transfer reached DONE or ERR since the last call (event-driven
+        completion: a poller checks only these instead of every handle in flight)."""
+        out, self._finished = self._finished, []
+        return out
 
     def check_xfer_state(self, handle: int) -> str:
         x = self._xfer(handle)
