@@ -182,7 +182,7 @@ class SimDriver:
 
     # ---- the landing guard ----------------------------------------------------------------
     def _on_landing(self, agent: str, addrs: np.ndarray, lengths: np.ndarray, owner: Any,
-                    landed: bool) -> bool:
+                    landed: bool, memo: dict[str, Any] | None = None) -> bool:
         """A transfer is posted, or its bytes land: every destination block must belong to the
         request the transfer was posted for. At posting, anything else is a stray write (the
         connector aimed at blocks its request does not hold); at landing, a late landing (bytes
@@ -191,7 +191,11 @@ class SimDriver:
             return False
         rank = self._agent_rank[agent]
         engine = self.coord.engine(rank[0])
-        _, blocks = blocks_touched(engine.layout, addrs - self._base[rank], lengths)
+        blocks = None if memo is None else memo.get("blocks")
+        if blocks is None:  # which blocks the runs touch is fixed; only their owners change
+            _, blocks = blocks_touched(engine.layout, addrs - self._base[rank], lengths)
+            if memo is not None:
+                memo["blocks"] = blocks
         owners = np.where(blocks == OUTSIDE_BLOCKS, OUTSIDE_BLOCKS - 1,
                           engine.pool.owner[np.maximum(blocks, 0)])
         bad = owners != owner

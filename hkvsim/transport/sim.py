@@ -66,6 +66,7 @@ class _Xfer:
     owner: Any = None  # SimWorld.post_owner when the transfer was created (who it is for)
     stray: bool = False  # the landing guard found it aimed at blocks its owner does not hold
     handle: int = 0
+    landing: Any = None  # (destination agent, addrs, lengths, guard memo) from the posting check
 
 
 @dataclass(eq=False)
@@ -101,13 +102,14 @@ class SimWorld:
         # Who transfers created now are for (the driver sets it around a post; e.g. a request
         # index), and a check of a transfer's destination blocks, called when it is posted
         # (landed=False) and when its bytes land (landed=True):
-        # guard(destination agent, absolute addresses, lengths, owner, landed) -> True when some
-        # destination block is not its owner's. The driver uses it to flag transfers aimed at
+        # guard(destination agent, absolute addresses, lengths, owner, landed, memo=dict) -> True
+        # when some destination block is not its owner's (memo: the same dict at posting and at
+        # landing of one transfer, for what the guard derives from the fixed addresses). The driver uses it to flag transfers aimed at
         # blocks their request does not hold (stray writes) and bytes landing in blocks their
         # request no longer holds (late landings).
         self.post_owner: Any = None
         self.on_death: Callable[[str], None] | None = None  # called with the agent that died
-        self.landing_guard: Callable[[str, np.ndarray, np.ndarray, Any, bool], bool] | None = None
+        self.landing_guard: Callable[..., bool] | None = None
 
     def create_agent(self, name: str, endpoint: Hashable) -> "SimTransport":
         if name in self._agents:
@@ -450,13 +452,15 @@ class SimTransport:
         guard = self.world.landing_guard
         if guard is None or x.local_ids.size == 0:
             return False
-        if x.op == "READ":
-            dst, descs, ids = self.name, x.local.descs, x.local_ids
-        else:
-            dst, descs, ids = x.remote.agent, x.remote.descs, x.remote_ids
-        rows = descs[ids]
-        return bool(guard(dst, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64),
-                          x.owner, landed))
+        if x.landing is None:  # the destination runs are fixed once posted: derive them once
+            if x.op == "READ":
+                dst, descs, ids = self.name, x.local.descs, x.local_ids
+            else:
+                dst, descs, ids = x.remote.agent, x.remote.descs, x.remote_ids
+            rows = descs[ids]
+            x.landing = (dst, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64), {})
+        dst, addrs, lengths, memo = x.landing
+        return bool(guard(dst, addrs, lengths, x.owner, landed, memo=memo))
 
     def _move(self, x: _Xfer, me: _Agent, remote: _Agent) -> None:
         ld, rd = x.local.descs[x.local_ids], x.remote.descs[x.remote_ids]
@@ -505,6 +509,7 @@ class SimTransport:
         if x.rows is None:
             x.rows = int(x.local_ids.size)
         x.local_ids = x.remote_ids = _NO_IDS
+        x.landing = None
 
     def open_handles(self) -> int:
         return sum(1 for x in self._xfers.values() if not x.released)
