@@ -54,7 +54,7 @@ class FabricError(ValueError):
     """A transfer, notification or handshake the fabric cannot route or accept."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TransferTiming:
     """When each phase of one transfer happened, in simulated seconds.
 
@@ -90,7 +90,7 @@ class TransferTiming:
         return self.done - self.submitted
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LinkSegment:
     """A stretch of time during which ``link`` carried ``rate`` bytes/s over ``flows`` flows."""
 

@@ -46,7 +46,7 @@ _NO_IDS = np.zeros(0, dtype=np.int64)
 _ADDRESS_SPACE = 1 << 44  # each agent's memory lives in its own synthetic 16 TiB window
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Xfer:
     op: str
     local: "_DList"
@@ -69,7 +69,7 @@ class _Xfer:
     landing: Any = None  # (destination agent, addrs, lengths, guard memo) from the posting check
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _DList:
     agent: str
     descs: np.ndarray
