@@ -7,7 +7,7 @@ is driven by the cluster (simulated) or a rank process (real NIXL).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -139,6 +139,10 @@ class ConnectorWorker:
         self._split_lists: dict[tuple[int, int, int], tuple[DescriptorList, int]] = {}
         self._remotes: dict[str, dict[int, _RemoteRank]] = {}
         self._in_flight: dict[str, _InFlight] = {}
+        # for poll(finished=...): in-flight handle -> its request, request -> posting order
+        self._handle_rid: dict[int, str] = {}
+        self._order: dict[str, int] = {}
+        self._next_order = 0
         # handles whose release failed (DMA may be live) -> the request they belong to
         self._zombies: dict[int, str] = {}
         self._released: list[str] = []  # requests whose last live handle was just released
@@ -292,8 +296,7 @@ class ConnectorWorker:
             outcome.failure_class = getattr(exc, "kind", "transfer_setup_failed")
             outcome.unreleased = self._unreleased(req.request_id)
             return outcome
-        self._in_flight[req.request_id] = _InFlight(request_id=req.request_id, handles=handles,
-                                                    outcome=outcome)
+        self._track(_InFlight(request_id=req.request_id, handles=handles, outcome=outcome))
         if not handles:
             return self._finish(req.request_id)
         return None
@@ -399,8 +402,8 @@ class ConnectorWorker:
             outcome.failure_class = getattr(exc, "kind", "transfer_setup_failed")
             outcome.unreleased = self._unreleased(req.prefill_request_id)
             return outcome
-        self._in_flight[req.prefill_request_id] = _InFlight(
-            request_id=req.prefill_request_id, handles=handles, outcome=outcome)
+        self._track(_InFlight(request_id=req.prefill_request_id, handles=handles,
+                              outcome=outcome))
         if not handles:
             return self._finish(req.prefill_request_id)
         return None
@@ -549,11 +552,33 @@ class ConnectorWorker:
         out, self._released = self._released, []
         return out
 
-    def poll(self) -> list[RequestOutcome]:
-        """Check every in-flight request; return those that reached a terminal state."""
+    def _track(self, flight: _InFlight) -> None:
+        rid = flight.request_id
+        if rid not in self._in_flight:
+            self._order[rid] = self._next_order
+            self._next_order += 1
+        self._in_flight[rid] = flight
+        for h in flight.handles:
+            self._handle_rid[h] = rid
+
+    def poll(self, finished: Iterable[int] | None = None) -> list[RequestOutcome]:
+        """Check the in-flight requests; return those that reached a terminal state.
+
+        ``finished``: the handles that reached a terminal state since the last poll, when the
+        transport can tell (the simulated one can): only their requests are checked, in
+        posting order, instead of every request in flight."""
+        if finished is None:
+            rids = list(self._in_flight)
+        else:
+            owners = {self._handle_rid.get(h) for h in finished}
+            owners.discard(None)
+            rids = sorted(owners, key=self._order.__getitem__)  # type: ignore[arg-type]
+        return self._check(rids)
+
+    def _check(self, rids: list[str]) -> list[RequestOutcome]:
         finished: list[RequestOutcome] = []
         self._reap_zombies()
-        for rid in list(self._in_flight):
+        for rid in rids:
             flight = self._in_flight[rid]
             states = []
             for h in flight.handles:
@@ -587,7 +612,9 @@ class ConnectorWorker:
 
     def _terminate(self, rid: str) -> RequestOutcome:
         flight = self._in_flight.pop(rid)
+        self._order.pop(rid, None)
         for h in flight.handles:
+            self._handle_rid.pop(h, None)
             self._release_quietly(h, rid)
         flight.outcome.unreleased = self._unreleased(rid)
         return flight.outcome

@@ -165,7 +165,8 @@ class SimDriver:
     def _on_activity(self, rank: RankId) -> None:
         """A transfer of, or a message to, the rank completed: poll it (the sans-I/O core is
         driven from here, as the engine's step loop drives the reference connector)."""
-        events = self.ranks[rank].poll()
+        executor = self.ranks[rank]
+        events = executor.poll(executor.worker.transport.take_finished())
         if events:
             self._deliver(lambda: self.coord.on_events(events, self.env.now))
 
@@ -192,7 +193,7 @@ class SimDriver:
 
     # ---- the landing guard ----------------------------------------------------------------
     def _on_landing(self, agent: str, addrs: np.ndarray, lengths: np.ndarray, owner: Any,
-                    landed: bool) -> bool:
+                    landed: bool, memo: dict[str, Any] | None = None) -> bool:
         """A transfer is posted, or its bytes land: every destination block must belong to the
         request the transfer was posted for. At posting, anything else is a stray write (the
         connector aimed at blocks its request does not hold); at landing, a late landing (bytes
@@ -201,7 +202,11 @@ class SimDriver:
             return False
         rank = self._agent_rank[agent]
         engine = self.coord.engine(rank[0])
-        _, blocks = blocks_touched(engine.layout, addrs - self._base[rank], lengths)
+        blocks = None if memo is None else memo.get("blocks")
+        if blocks is None:  # which blocks the runs touch is fixed; only their owners change
+            _, blocks = blocks_touched(engine.layout, addrs - self._base[rank], lengths)
+            if memo is not None:
+                memo["blocks"] = blocks
         owners = np.where(blocks == OUTSIDE_BLOCKS, OUTSIDE_BLOCKS - 1,
                           engine.pool.owner[np.maximum(blocks, 0)])
         bad = owners != owner

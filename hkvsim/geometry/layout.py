@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 from .specs import GeometryError, ModelSpec, Sharding
@@ -93,40 +94,40 @@ class EngineLayout:
     registration_order: tuple[int, ...] = field(repr=False)
 
     # ---- derived facts -------------------------------------------------------------------
-    @property
+    @cached_property
     def num_kernel_blocks(self) -> int:
         return self.num_logical_blocks * self.physical_blocks_per_logical
 
-    @property
+    @cached_property
     def num_tensors(self) -> int:
         return len(self.tensor_layers)
 
-    @property
+    @cached_property
     def tensor_bytes(self) -> int:
         return self.num_logical_blocks * self.unified_page_bytes
 
-    @property
+    @cached_property
     def tensor_stride(self) -> int:
         """Byte distance between consecutive tensors in a rank's allocation."""
         return -(-self.tensor_bytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return self.num_tensors * self.tensor_stride
 
-    @property
+    @cached_property
     def is_hybrid(self) -> bool:
         return self.model.is_hybrid
 
-    @property
+    @cached_property
     def state_pad_bytes(self) -> int:
         return self.unified_page_bytes - self.state_page_bytes if self.is_hybrid else 0
 
-    @property
+    @cached_property
     def attention_groups(self) -> tuple[HMAGroup, ...]:
         return tuple(g for g in self.groups if g.kind == "attention")
 
-    @property
+    @cached_property
     def state_groups(self) -> tuple[HMAGroup, ...]:
         return tuple(g for g in self.groups if g.kind == "state")
 
@@ -135,7 +136,7 @@ class EngineLayout:
         """Regions with an attention view (every region of a hybrid model: they are shared)."""
         return self.regions
 
-    @property
+    @cached_property
     def state_regions(self) -> tuple[Region, ...]:
         if not self.is_hybrid:
             return ()
@@ -158,7 +159,7 @@ class EngineLayout:
         """Logical blocks an allocation of ``tokens`` tokens needs."""
         return -(-tokens // self.logical_block_size)
 
-    @property
+    @cached_property
     def ssm_sizes(self) -> tuple[int, int]:
         """(conv_bytes, recurrent_bytes) on this rank; (0, 0) without state (handshake field)."""
         if not self.is_hybrid:

@@ -50,7 +50,7 @@ _NO_IDS = np.zeros(0, dtype=np.int64)
 _ADDRESS_SPACE = 1 << 44  # each agent's memory lives in its own synthetic 16 TiB window
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Xfer:
     op: str
     local: "_DList"
@@ -70,9 +70,11 @@ class _Xfer:
     owner: Any = None  # SimWorld.post_owner when the transfer was created (who it is for)
     stray: bool = False  # the landing guard found it aimed at blocks its owner does not hold
     coalesced: int = 0  # descriptors after NIXL's coalescing: what posting is charged for
+    handle: int = 0
+    landing: Any = None  # (destination agent, addrs, lengths, guard memo) from the posting check
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _DList:
     agent: str
     descs: np.ndarray
@@ -105,13 +107,14 @@ class SimWorld:
         # Who transfers created now are for (the driver sets it around a post; e.g. a request
         # index), and a check of a transfer's destination blocks, called when it is posted
         # (landed=False) and when its bytes land (landed=True):
-        # guard(destination agent, absolute addresses, lengths, owner, landed) -> True when some
-        # destination block is not its owner's. The driver uses it to flag transfers aimed at
+        # guard(destination agent, absolute addresses, lengths, owner, landed, memo=dict) -> True
+        # when some destination block is not its owner's (memo: the same dict at posting and at
+        # landing of one transfer, for what the guard derives from the fixed addresses). The driver uses it to flag transfers aimed at
         # blocks their request does not hold (stray writes) and bytes landing in blocks their
         # request no longer holds (late landings).
         self.post_owner: Any = None
         self.on_death: Callable[[str], None] | None = None  # called with the agent that died
-        self.landing_guard: Callable[[str, np.ndarray, np.ndarray, Any, bool], bool] | None = None
+        self.landing_guard: Callable[..., bool] | None = None
 
     def create_agent(self, name: str, endpoint: Hashable) -> "SimTransport":
         if name in self._agents:
@@ -203,6 +206,7 @@ class SimTransport:
         self._remotes: set[str] = set()
         self._peers = PeerRegistrations()
         self._sizes: dict[int, int] = {}
+        self._finished: list[int] = []  # handles that left PROC since take_finished()
 
     # ---- memory --------------------------------------------------------------------------
     def allocate(self, nbytes: int, *, mem_type: str = "VRAM", device_id: int = 0) -> Memory:
@@ -319,7 +323,8 @@ class SimTransport:
         self._xfers[handle] = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
                                     notif=bytes(notif), nbytes=nbytes, owner=self.world.post_owner,
                                     coalesced=coalesced_count(local.descs[li], remote.descs[ri])
-                                    if coalesces("prepped") else int(li.size))
+                                    if coalesces("prepped") else int(li.size),
+                                    handle=handle)
         return handle
 
     def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
@@ -370,7 +375,8 @@ class SimTransport:
                                     # through initialize_xfer, which NIXL 1.5 does not coalesce
                                     coalesced=coalesced_count(ld, rd) if coalesces(
                                         "prepped" if la.shape[1] == 5 else "non_prepped")
-                                    else int(ld.shape[0]))
+                                    else int(ld.shape[0]),
+                                    handle=handle)
         return handle
 
     def _xfer(self, handle: int) -> _Xfer:
@@ -438,6 +444,7 @@ class SimTransport:
         x.timing = timing
         if x.state == PROC:
             x.state, x.error = ERR, reason
+            self._finished.append(x.handle)
         self.world._wake(self.name)
 
     def _complete(self, x: _Xfer, timing: Any) -> None:
@@ -459,6 +466,7 @@ class SimTransport:
                 x.state = DONE
             except TransportError as exc:
                 x.state, x.error = ERR, str(exc)
+        self._finished.append(x.handle)
         if x.state == DONE and x.notif:
             self.world.send(self.name, remote.name, x.notif)
         self.world._wake(self.name)
@@ -468,13 +476,15 @@ class SimTransport:
         guard = self.world.landing_guard
         if guard is None or x.local_ids.size == 0:
             return False
-        if x.op == "READ":
-            dst, descs, ids = self.name, x.local.descs, x.local_ids
-        else:
-            dst, descs, ids = x.remote.agent, x.remote.descs, x.remote_ids
-        rows = descs[ids]
-        return bool(guard(dst, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64),
-                          x.owner, landed))
+        if x.landing is None:  # the destination runs are fixed once posted: derive them once
+            if x.op == "READ":
+                dst, descs, ids = self.name, x.local.descs, x.local_ids
+            else:
+                dst, descs, ids = x.remote.agent, x.remote.descs, x.remote_ids
+            rows = descs[ids]
+            x.landing = (dst, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64), {})
+        dst, addrs, lengths, memo = x.landing
+        return bool(guard(dst, addrs, lengths, x.owner, landed, memo=memo))
 
     def _move(self, x: _Xfer, me: _Agent, remote: _Agent) -> None:
         ld, rd = x.local.descs[x.local_ids], x.remote.descs[x.remote_ids]
@@ -488,6 +498,12 @@ class SimTransport:
         else:
             moved = copy_ranges(rmem.array, roff, lmem.array, loff, lengths)
         self.world.bytes_moved += moved
+
+    def take_finished(self) -> list[int]:
+        """Handles whose transfer reached DONE or ERR since the last call (event-driven
+        completion: a poller checks only these instead of every handle in flight)."""
+        out, self._finished = self._finished, []
+        return out
 
     def check_xfer_state(self, handle: int) -> str:
         x = self._xfer(handle)
@@ -517,6 +533,7 @@ class SimTransport:
         if x.rows is None:
             x.rows = int(x.local_ids.size)
         x.local_ids = x.remote_ids = _NO_IDS
+        x.landing = None
 
     def open_handles(self) -> int:
         return sum(1 for x in self._xfers.values() if not x.released)

@@ -119,7 +119,10 @@ class VllmConnectorWorker:
         self._in_flight[req.request_id] = flight
         return None
 
-    def poll(self) -> list[RequestOutcome]:
+    def poll(self, finished: Any = None) -> list[RequestOutcome]:
+        """``finished`` (the transport's finished handles, from event-driven drivers) is not
+        needed: vLLM's get_finished() asks its agent about every transfer it holds."""
+        del finished
         if not self._in_flight:
             return []
         assert self.vllm is not None
