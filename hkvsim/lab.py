@@ -118,6 +118,9 @@ def serve_worker(env: TorchrunEnv, store: LabStore, log_root: Path, *, wait: flo
     from .backends.rank import EXIT_OK as RANK_OK
     from .backends.rank import serve_rank
 
+    # UCX prints its protocol choice to the rank log, which the run parses into each transfer's
+    # telemetry path (as for a rank the driver spawns); UCX_PROTO_INFO=n on the node turns it off
+    os.environ.setdefault("UCX_PROTO_INFO", "y")
     round_no = 0
     while True:
         try:

@@ -96,6 +96,9 @@ def test_torchrun_runs_pull_and_push_byte_exact_and_a_too_large_variant_fails_al
         assert d["backend"] == "nixl" and d["outcome"] == "ok" and d["expectation_met"]
         assert d["verified"] is True and d["requests"]["byte_exact"] == 3
         assert d["requests"]["corrupted"] == 0 and d["requests"]["mismatched_bytes"] == 0
+        # every transfer's telemetry names the UCX transport its (torchrun worker) rank used
+        telemetry = [t for r in d["request_details"] for t in r["telemetry"]]
+        assert telemetry and all(any("/" in hop for hop in t["path"]) for t in telemetry)
     # the same bytes the simulator moves for the same variants
     sim = json.loads(subprocess.run(
         [sys.executable, "-m", "hkvsim.cli", "run", str(tmp_path / "s.toml"), "--json"],
@@ -183,3 +186,40 @@ def test_a_rank_that_fails_setup_fails_the_start_at_once(torchrun, tmp_path) -> 
     assert time.monotonic() - start < 40
     assert str(exc.value).startswith("rank setup failed: ")
     assert "RuntimeError: VRAM requested but torch sees no CUDA device" in str(exc.value)
+
+
+@pytest.mark.timeout(300)
+def test_gpu_check_steps_run_on_cpu(torchrun, tmp_path) -> None:
+    """hardware/gpu-check's torchrun steps, on DRAM (--device cpu skips VRAM registration):
+    the two-rank pull and push is checked byte by byte and written to the report folder, and
+    the calibration table puts measured and simulated medians side by side."""
+    from hkvsim.lab_check import byte_problems, calibration_rows
+
+    out_dir = tmp_path / "gpu"
+    out = subprocess.run([sys.executable, str(ROOT / "hardware" / "gpu-check"), "--device",
+                          "cpu", "--skip-calibration", "--out", str(out_dir)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=280)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["device"] == "cpu"
+    assert summary["steps"] == {"tiny-kimi-linear pull and push, 2 ranks": {
+        "ok": True, "problems": []}}
+    assert "- **tiny-kimi-linear pull and push, 2 ranks**: passed" in (
+        out_dir / "summary.md").read_text()
+    data = json.loads((out_dir / "pull-push.json").read_text())
+    assert byte_problems(data, 2) == []
+    assert {d["sweep_point"]["connector.mode"] for d in data["scenarios"]} == {"pull", "push"}
+    # a result that is not byte-exact is a failed step, whatever else it says
+    bad = json.loads(json.dumps(data))
+    bad["scenarios"][1]["requests"]["byte_exact"] = 2
+    assert byte_problems(bad, 2) == [
+        f"{bad['scenarios'][1]['scenario']}: outcome ok, verified True, byte-exact 2/3, "
+        f"corrupted 0"]
+    assert byte_problems(None, 2) == ["no result JSON (see the rank logs)"]
+    rows = calibration_rows(data, ROOT / "hardware" / "scenarios" / "gpu-pull-push.toml")
+    assert [r["point"] for r in rows] == [{"connector.mode": "pull"}, {"connector.mode": "push"}]
+    for r, d in zip(rows, data["scenarios"]):
+        assert r["measured_p50_s"] == d["time"]["transfer_seconds"]["p50"] > 0
+        assert r["simulated_p50_s"] > 0 and r["bytes"] == d["requests"]["bytes"]
+        assert r["error"] == pytest.approx(
+            (r["simulated_p50_s"] - r["measured_p50_s"]) / r["measured_p50_s"])
