@@ -116,7 +116,7 @@ def _gpu_count() -> int:
 def serve_worker(env: TorchrunEnv, store: LabStore, log_root: Path, *, wait: float) -> int:
     """Serve whatever rank 0 assigns, round after round, until it says "end"."""
     from .backends.rank import EXIT_OK as RANK_OK
-    from .backends.rank import serve_rank
+    from .backends.rank import EXIT_UNREACHABLE, serve_rank
 
     # UCX prints its protocol choice to the rank log, which the run parses into each transfer's
     # telemetry path (as for a rank the driver spawns); UCX_PROTO_INFO=n on the node turns it off
@@ -138,6 +138,12 @@ def serve_worker(env: TorchrunEnv, store: LabStore, log_root: Path, *, wait: flo
             log_dir.mkdir(parents=True, exist_ok=True)
             code = serve_rank(run["host"], run["port"], run["credential"], run["engine"],
                               run["rank"], str(log_dir / f"{run['engine']}.{run['rank']}.log"))
+            if code == EXIT_UNREACHABLE:  # fail the run now (torchrun), not at rank 0's deadline
+                print(f"hkvsim.lab[{env.rank}]: error: {run['engine']} rank {run['rank']}: rank "
+                      f"0's side channel {run['host']}:{run['port']} is unreachable from node "
+                      f"{env.node} (rank 0's --bind must be an address this node reaches)",
+                      file=sys.stderr, flush=True)
+                return EXIT_RANK_DIED
             if code != RANK_OK:  # the coordinator knows why (the rank told it, or lost it)
                 log.warning("%s rank %d ended with status %d (its log: %s)", run["engine"],
                             run["rank"], code, log_dir)

@@ -51,9 +51,9 @@ from ..transport.base import TransportError
 from .side_channel import Channel, ChannelClosed, ProtocolError, fields
 
 __all__ = ["rank_entry", "serve_rank", "select_cuda_device", "staging_spans", "RankProcess", "hello_message", "ucx_transports", "EXIT_OK",
-           "EXIT_SETUP", "EXIT_LOST"]
+           "EXIT_SETUP", "EXIT_LOST", "EXIT_UNREACHABLE"]
 
-EXIT_OK, EXIT_SETUP, EXIT_LOST, EXIT_CRASH = 0, 3, 4, 5
+EXIT_OK, EXIT_SETUP, EXIT_LOST, EXIT_CRASH, EXIT_UNREACHABLE = 0, 3, 4, 5, 6
 _IDLE_POLL_S = 0.001  # idle loop period: the side channel select timeout
 _BUSY_POLL_S = 0.0001  # while transfers are in flight
 _SETUP_TIMEOUT_S = 120.0
@@ -78,7 +78,14 @@ def serve_rank(host: str, port: int, credential: str, engine: str, rank: int,
                log_path: str) -> int:
     """Run one rank of one run in this process until the coordinator shuts it down; returns
     its exit status (EXIT_*). stdout and stderr go to ``log_path`` from here on (a torchrun
-    worker calls this once per scenario variant, each with its own log)."""
+    worker calls this once per scenario variant, each with its own log). A coordinator that
+    cannot be reached is said on the process's own stderr, before it is redirected."""
+    try:
+        chan = Channel.connect(host, port, timeout=30.0)
+    except OSError as exc:
+        print(f"rank {engine}.{rank}: cannot reach the coordinator at {host}:{port}: {exc}",
+              file=sys.stderr, flush=True)
+        return EXIT_UNREACHABLE
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -86,12 +93,6 @@ def serve_rank(host: str, port: int, credential: str, engine: str, rank: int,
     os.dup2(fd, 2)
     os.close(fd)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    try:
-        chan = Channel.connect(host, port, timeout=30.0)
-    except OSError as exc:
-        print(f"rank {engine}.{rank}: cannot reach the coordinator at {host}:{port}: {exc}",
-              file=sys.stderr, flush=True)
-        return EXIT_LOST
     try:
         return RankProcess(chan, credential=credential, engine=engine, rank=rank,
                            log_path=log_path).run()

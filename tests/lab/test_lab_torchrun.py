@@ -223,3 +223,38 @@ def test_gpu_check_steps_run_on_cpu(torchrun, tmp_path) -> None:
         assert r["simulated_p50_s"] > 0 and r["bytes"] == d["requests"]["bytes"]
         assert r["error"] == pytest.approx(
             (r["simulated_p50_s"] - r["measured_p50_s"]) / r["measured_p50_s"])
+
+
+@pytest.mark.timeout(300)
+def test_two_torchrun_nodes_on_loopback_put_prefill_and_decode_apart(torchrun, tmp_path) -> None:
+    """The multi-node path: two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1),
+    two workers each, so P TP2 runs on one node and D TP2 on the other; byte-exact, and only
+    global rank 0's node prints the result."""
+    import socket
+
+    path = tmp_path / "s.toml"
+    path.write_text(KILL.split("[[faults]]")[0].replace("tp = 1", "tp = 2"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(
+        [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lab-test", "--node-rank", str(n),
+         "-m", "hkvsim.lab", str(path), "--json", "--bind", "127.0.0.1", "--log-dir",
+         str(tmp_path / f"node{n}")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env=env) for n in range(2)]
+    try:
+        outs = [a.communicate(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert [a.returncode for a in agents] == [0, 0], [e[-2000:] for _, e in outs]
+    printed = [o for o, _ in outs if o.strip()]
+    assert len(printed) == 1
+    data = json.loads(printed[0])
+    assert data["outcome"] == "ok" and data["verified"] and data["requests"]["byte_exact"] == 3
+    logs = {n: sorted(p.name for p in (tmp_path / f"node{n}").rglob("*.log")) for n in range(2)}
+    assert sorted(logs.values()) == [["decode0.0.log", "decode0.1.log"],
+                                     ["prefill0.0.log", "prefill0.1.log"]]

@@ -377,3 +377,42 @@ def test_the_lab_extra_gives_an_importable_nixl_and_matches_ci() -> None:
     assert any(r.startswith("torch") for r in lab)
     ci = (ROOT / "scripts" / "test").read_text()
     assert "nixl-cu12==1.5.1 nixl==1.5.1" in ci and "torch==2.13.0" in ci
+
+
+def test_across_nodes_rank_0_never_binds_loopback_by_guess() -> None:
+    import argparse
+
+    from hkvsim.lab import Coordinator
+
+    env = read_torchrun_env({**TORCHRUN_ENV, "RANK": "0", "GROUP_RANK": "0",
+                             "MASTER_ADDR": "127.0.0.1"})
+    args = argparse.Namespace(bind=None)
+    with pytest.raises(EnvError, match=r"several nodes, but the route to torchrun's store "
+                                       r"\(127.0.0.1\) leaves from 127.0.0.1; give --bind ADDR"):
+        Coordinator(args, env, None, None)._bind_address()
+    assert Coordinator(argparse.Namespace(bind="10.1.2.3"), env, None, None)._bind_address() == (
+        "10.1.2.3")
+    one_node = read_torchrun_env({**TORCHRUN_ENV, "RANK": "0", "LOCAL_RANK": "0",
+                                  "WORLD_SIZE": "2", "GROUP_RANK": "0"})
+    assert Coordinator(args, one_node, None, None)._bind_address() == "127.0.0.1"
+
+
+def test_a_rank_that_cannot_reach_the_coordinator_says_so_on_its_own_stderr(tmp_path) -> None:
+    """Before its output goes to the rank log: a torchrun worker then fails the run at once
+    (hkvsim.lab exits), instead of rank 0 waiting out its startup deadline."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    code = ("import sys; from hkvsim.backends.rank import serve_rank; "
+            f"sys.exit(serve_rank('127.0.0.1', {port}, 'c', 'decode0', 1, "
+            f"{str(tmp_path / 'r.log')!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    from hkvsim.backends.rank import EXIT_UNREACHABLE
+
+    assert out.returncode == EXIT_UNREACHABLE == 6
+    assert out.stderr.startswith(f"rank decode0.1: cannot reach the coordinator at "
+                                 f"127.0.0.1:{port}: ")
+    assert not (tmp_path / "r.log").exists()
