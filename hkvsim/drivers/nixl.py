@@ -228,6 +228,7 @@ class NixlDriver:
             except EnvError as exc:
                 raise NixlRunError(str(exc)) from None
         self._kills = self._check_faults(scenario)
+        self._rank_env()  # refuses a variable that is not allow-listed, before anything starts
         self.dep = build_deployment(scenario)
         self.verify = scenario.workload.verify and not timing_only
         coordinator_faults = [f for f in scenario.faults if f.kind in COORDINATOR_FAULTS]
