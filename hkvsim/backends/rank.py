@@ -78,8 +78,8 @@ def serve_rank(host: str, port: int, credential: str, engine: str, rank: int,
                log_path: str) -> int:
     """Run one rank of one run in this process until the coordinator shuts it down; returns
     its exit status (EXIT_*). stdout and stderr go to ``log_path`` from here on (a torchrun
-    worker calls this once per scenario variant, each with its own log). A coordinator that
-    cannot be reached is said on the process's own stderr, before it is redirected."""
+    worker calls this once per scenario variant, each with its own log; they are restored
+    afterwards). A coordinator that cannot be reached is said on the process's own stderr."""
     try:
         chan = Channel.connect(host, port, timeout=30.0)
     except OSError as exc:
@@ -88,6 +88,7 @@ def serve_rank(host: str, port: int, credential: str, engine: str, rank: int,
         return EXIT_UNREACHABLE
     sys.stdout.flush()
     sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -100,6 +101,9 @@ def serve_rank(host: str, port: int, credential: str, engine: str, rank: int,
         chan.close()
         sys.stdout.flush()
         sys.stderr.flush()
+        for target, fd in zip((1, 2), saved):  # the process's own output again (next round)
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 _PROTO_HEADER = re.compile(r"remote memory (read|write) by ucp_(get|put)")

@@ -415,3 +415,35 @@ def test_a_rank_that_cannot_reach_the_coordinator_says_so_on_its_own_stderr(tmp_
     assert out.stderr.startswith(f"rank decode0.1: cannot reach the coordinator at "
                                  f"127.0.0.1:{port}: ")
     assert not (tmp_path / "r.log").exists()
+
+
+def test_a_rank_logs_to_its_file_only_while_it_serves(tmp_path) -> None:
+    """serve_rank sends the process's output to the rank log during a run and gives it back
+    afterwards: a torchrun worker's messages in a later round reach torchrun's console, not
+    the previous round's log."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    log = tmp_path / "r.log"
+    code = ("import sys; from hkvsim.backends.rank import serve_rank\n"
+            "print('before', file=sys.stderr, flush=True)\n"
+            f"code = serve_rank('127.0.0.1', {port}, 'c', 'decode0', 1, {str(log)!r})\n"
+            "print('after', code, file=sys.stderr, flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        conn, _ = server.accept()  # a coordinator that goes away before SETUP
+        conn.recv(4096)
+        conn.close()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        server.close()
+        if proc.poll() is None:
+            proc.kill()
+    from hkvsim.backends.rank import EXIT_LOST
+
+    assert err.splitlines() == ["before", f"after {EXIT_LOST}"]
+    assert "no SETUP from the coordinator" in log.read_text()
