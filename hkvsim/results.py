@@ -1,4 +1,4 @@
-"""Run results as JSON (the machine-readable contract of DESIGN.md) and expectation checks."""
+"""Run results as JSON (the machine-readable contract documented in README.md) and expectation checks."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ and answers READY with its handshake payload. Then it loops:
 * transfers that reached a terminal state go out as ``outcome`` events, notifications as
   ``notif`` events, handles released late as ``released`` events. NIXL is polled on every
   iteration, busy or idle: with NIXL's progress thread off this is what lets a peer's first
-  transfer to this agent finish (DOMAIN.md §11.4 hazard 6).
+  transfer to this agent finish (docs/semantics.md §11.4 hazard 6).
 
 It imports neither simpy nor the simulated fabric. stdout and stderr go to a per-rank log file
 (NIXL prints INFO lines to stdout, UCX and NIXL's C++ layer to stderr); the coordinator quotes its

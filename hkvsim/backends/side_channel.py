@@ -1,6 +1,6 @@
 """The side channel of the NIXL run: length-prefixed msgpack frames over TCP, loopback by default.
 
-NIXL's own listener binds 0.0.0.0 (DOMAIN.md §11.4 hazard 5), and multiprocessing's
+NIXL's own listener binds 0.0.0.0 (docs/semantics.md §11.4 hazard 5), and multiprocessing's
 ``Connection.send`` pickles, so neither carries anything here. Every message between the
 coordinator (the scheduler / proxy) and a rank process is one frame:
 

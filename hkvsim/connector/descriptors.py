@@ -1,4 +1,4 @@
-"""Descriptor arrays and descriptor ids (DOMAIN.md §3.3-3.4, §5.2-5.4). Vectorised with numpy.
+"""Descriptor arrays and descriptor ids (docs/semantics.md §3.3-3.4, §5.2-5.4). Vectorised with numpy.
 
 A descriptor list is an (N, 3) uint64 array of (addr, len, device). The order is part of the
 contract: attention descriptors region-major, then state descriptors sub-region-major; local and

@@ -304,7 +304,7 @@ class ConnectorWorker:
     def _pair_blocks(self, *, prefill_blocks: Mapping[int, np.ndarray],
                      decode_blocks: Mapping[int, np.ndarray], hit_blocks: int, ppl_p: int,
                      ppl_d: int, bsr: int) -> "_PairedBlocks":
-        """Pair prefill's and decode's block ids group by group (DOMAIN.md §6-7), in the
+        """Pair prefill's and decode's block ids group by group (docs/semantics.md §6-7), in the
         descriptor-id units both lists use: prefill kernel blocks and decode (sub-)blocks.
 
         Attention: logical ids expanded with each side's own ppl, decode's split into bsr
@@ -328,7 +328,7 @@ class ConnectorWorker:
                 pairing = pair_attention(
                     decode_ids=d_sub, prefill_ids=expand_logical(p_ids, p_expand),
                     decode_hit_units=hit_blocks * ppl_d * bsr,
-                    # DOMAIN.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the
+                    # docs/semantics.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the
                     # ppl are equal, end-trim. Otherwise front-trim" -- the same ppl test as
                     # V4. A block size ratio is absorbed by decode's sub-block list (ids and hit
                     # offset are in prefill-kernel units), so it is not a ppl difference.
@@ -391,7 +391,7 @@ class ConnectorWorker:
 
     # ---- push (prefill side) --------------------------------------------------------------
     def start_write(self, req: WriteRequest) -> RequestOutcome | None:
-        """Post one WRITE per decode rank this prefill rank covers (DOMAIN.md §8.2). Returns an
+        """Post one WRITE per decode rank this prefill rank covers (docs/semantics.md §8.2). Returns an
         immediate outcome on a setup failure or when nothing needs moving, else None."""
         outcome = RequestOutcome(request_id=req.prefill_request_id, ok=False)
         try:
@@ -486,7 +486,7 @@ class ConnectorWorker:
 
     def _notify(self, agent: str, message: bytes) -> None:
         """A notification-only message. A failure is counted, not raised: the peer frees the
-        blocks at lease expiry instead (DOMAIN.md §9.3 notification_failed)."""
+        blocks at lease expiry instead (docs/semantics.md §9.3 notification_failed)."""
         try:
             self.transport.send_notif(agent, message)
         except TransportError:
@@ -517,7 +517,7 @@ class ConnectorWorker:
 
     def _release_quietly(self, handle: int, request_id: str) -> bool:
         """Release a handle; one that cannot be released yet is kept and retried on every poll
-        until it is terminal (DOMAIN.md §9.2: DMA may still be live). While it is kept, the
+        until it is terminal (docs/semantics.md §9.2: DMA may still be live). While it is kept, the
         request's destination blocks must not be reused (``live_handles``)."""
         try:
             self.transport.release_xfer_handle(handle)
@@ -650,7 +650,7 @@ class ConnectorWorker:
     # ---- post-processing -----------------------------------------------------------------
     def regroup_heads(self, kernel_blocks: np.ndarray, bsr: int) -> None:
         """After a bsr > 1 pull into HND blocks: bsr P blocks of [H, 2, t_P, d] become one
-        [H, 2, bsr*t_P, d] (DOMAIN.md §6). MLA and NHD blocks are already token-contiguous."""
+        [H, 2, bsr*t_P, d] (docs/semantics.md §6). MLA and NHD blocks are already token-contiguous."""
         if bsr == 1 or self.model.attention.is_mla or self.layout.kv_cache_layout != "HND":
             return
         assert self.memory is not None
@@ -695,7 +695,7 @@ class ConnectorWorker:
 
     def shutdown(self) -> None:
         """Release every transfer handle, local/split/remote list and remote agent, then
-        deregister memory (DOMAIN.md §9.4). Handles still in flight are kept (not released)."""
+        deregister memory (docs/semantics.md §9.4). Handles still in flight are kept (not released)."""
         for rid in list(self._in_flight):
             self._terminate(rid)
         self._reap_zombies()

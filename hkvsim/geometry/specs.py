@@ -54,7 +54,7 @@ def dtype_bytes(dtype: str) -> int:
 
 
 class Sharding(str, Enum):
-    """How an attention region's block is divided over TP ranks (DOMAIN.md §1)."""
+    """How an attention region's block is divided over TP ranks (docs/semantics.md §1)."""
 
     REPLICATE = "replicate"  # MLA latent: every rank holds the whole block
     SPLIT = "split"  # GQA/MHA: every rank holds a slice of the heads
@@ -88,7 +88,7 @@ class AttentionBackend:
         return requested
 
 
-# A registry, not an if-chain. Kernel facts: FlashMLA pages are 64 tokens (DOMAIN.md §1);
+# A registry, not an if-chain. Kernel facts: FlashMLA pages are 64 tokens (docs/semantics.md §1);
 # FlashAttention / Triton take any multiple of 16.
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
@@ -136,7 +136,7 @@ class MLAAttentionSpec:
 
     The latent is identical on every rank (REPLICATE), so bytes per token do not depend on TP.
     ``cache_dtype="fp8_ds_mla"`` is DeepSeek's packed FP8 format: 512 fp8 latent + 4 fp32 scales +
-    64 bf16 rope = 656 B per token (DOMAIN.md §2.4: 40,016 B/token over 61 layers).
+    64 bf16 rope = 656 B per token (docs/semantics.md §2.4: 40,016 B/token over 61 layers).
     """
 
     kv_lora_rank: int

@@ -92,7 +92,7 @@ def _ids(ids: Any, *, what: str, side: str) -> np.ndarray:
 def check_descriptor_array(descs: np.ndarray, *, what: str = "descriptor list") -> np.ndarray:
     """Validate an (N, 3) (addr, len, device) array before it reaches a transport.
 
-    NIXL returns None on malformed input (DOMAIN.md §11.4 hazard 3); we refuse it loudly.
+    NIXL returns None on malformed input (docs/semantics.md §11.4 hazard 3); we refuse it loudly.
     """
     arr = np.asarray(descs)
     if arr.ndim != 2 or arr.shape[1] != 3:
@@ -107,7 +107,7 @@ def check_descriptor_array(descs: np.ndarray, *, what: str = "descriptor list") 
 
 def check_strided_array(descs: np.ndarray, *, what: str = "strided descriptor list") -> np.ndarray:
     """Validate an (N, 5) strided array: rows (addr, len, dev, stride, count) naming ``count``
-    runs of ``len`` bytes at ``addr + i * stride`` (NIXL PR #1978; DOMAIN.md §11.3 item 4).
+    runs of ``len`` bytes at ``addr + i * stride`` (NIXL PR #1978; docs/semantics.md §11.3 item 4).
     ``count`` >= 1, and ``stride`` >= ``len`` wherever count > 1 (runs never overlap)."""
     arr = np.asarray(descs)
     if arr.ndim != 2 or arr.shape[1] != 5:
@@ -253,7 +253,7 @@ def overlapping(descs: np.ndarray, ranges: np.ndarray) -> bool:
 class PeerRegistrations:
     """The memory every remote agent announced as registered (its latest agent metadata).
 
-    NIXL keeps accepting transfers into memory its peer has deregistered (DOMAIN.md §11.4
+    NIXL keeps accepting transfers into memory its peer has deregistered (docs/semantics.md §11.4
     hazard 2): the WRITE is DONE and lands. Both transports consult this ledger instead:
     a remote list, or a transfer, must lie inside what the peer announced, and when a newer
     announcement withdraws a range, every list over it goes stale.

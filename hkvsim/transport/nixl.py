@@ -2,7 +2,7 @@
 
 A thin, hardened adapter. The connector core only ever hands it int handles; the NIXL handle
 objects stay in here, next to our own ledger of what is registered, prepared, posted and
-released, so that the hazards of NIXL's Python API (DOMAIN.md §11.4) become loud, readable
+released, so that the hazards of NIXL's Python API (docs/semantics.md §11.4) become loud, readable
 ``TransportError``\\ s instead of segfaults, silent writes or bare status codes:
 
 1. ``transfer()`` on a released handle segfaults and ``check_xfer_state`` on one says "DONE":

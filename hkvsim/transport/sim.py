@@ -332,7 +332,7 @@ class SimTransport:
         """Non-prepped transfer (NIXL ``initialize_xfer``) from explicit (N, 3) descriptors, or
         (N, 5) strided rows, on both sides. Posting is charged per run (each row of an (N, 3)
         array, each of the ``count`` runs of a strided row): on the CPU VM strided lists cut
-        prep time but not post time (DOMAIN.md §10). Telemetry reports the rows posted."""
+        prep time but not post time (docs/semantics.md §10). Telemetry reports the rows posted."""
         if op not in OPS:
             raise TransportError(f"{self.name}: unknown op {op!r}; allowed: {', '.join(OPS)}")
         if remote_agent not in self._remotes:
@@ -384,7 +384,7 @@ class SimTransport:
         if x is None:
             raise TransportError(f"{self.name}: unknown transfer handle {handle}")
         if x.released:
-            # Real NIXL segfaults here (DOMAIN.md §11.4 hazard 1); refuse instead.
+            # Real NIXL segfaults here (docs/semantics.md §11.4 hazard 1); refuse instead.
             raise TransportError(f"{self.name}: transfer handle {handle} was released")
         return x
 
