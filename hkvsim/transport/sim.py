@@ -39,6 +39,7 @@ from .base import (
     encode_agent_metadata,
     expand_strided,
     overlapping,
+    pair_descriptors,
     registration_problem,
 )
 from .coalesce import coalesced_count, coalesces
@@ -338,27 +339,9 @@ class SimTransport:
         if remote_agent not in self._remotes:
             raise TransportError(f"{self.name}: make_xfer to unknown remote agent "
                                  f"{remote_agent!r} (add_remote_agent first)")
-        la, ra = np.asarray(local_descs), np.asarray(remote_descs)
-        if la.ndim == 2 and la.shape[1] == 5:
-            lrows = check_strided_array(la, what=f"{self.name}: make_xfer local")
-            rrows = check_strided_array(ra, what=f"{self.name}: make_xfer remote")
-            if lrows.shape != rrows.shape or not np.array_equal(lrows[:, [1, 4]],
-                                                                rrows[:, [1, 4]]):
-                raise TransportError(f"{self.name}: strided rows differ in number, length or "
-                                     f"count between the local and the remote side")
-            ld, rd = expand_strided(lrows), expand_strided(rrows)
-        else:
-            ld = check_descriptor_array(la, what=f"{self.name}: make_xfer local")
-            rd = check_descriptor_array(ra, what=f"{self.name}: make_xfer remote")
-            if ld.shape != rd.shape:
-                raise TransportError(f"{self.name}: local and remote descriptor lists differ in "
-                                     f"length ({ld.shape[0]} vs {rd.shape[0]})")
-            if not np.array_equal(ld[:, 1], rd[:, 1]):
-                i = int(np.flatnonzero(ld[:, 1] != rd[:, 1])[0])
-                raise TransportError(f"{self.name}: descriptor pair {i} has local length "
-                                     f"{int(ld[i, 1])} but remote length {int(rd[i, 1])}")
-        if ld.shape[0] and (ld[:, 1] == 0).any():
-            raise TransportError(f"{self.name}: make_xfer: a descriptor has length 0")
+        pairs = pair_descriptors(local_descs, remote_descs, what=f"{self.name}: make_xfer")
+        ld, rd = pairs.local, pairs.remote
+        rows = ld.shape[0] if pairs.local_strided is None else pairs.local_strided.shape[0]
         problem = self._own_registration_problem(ld)
         if problem is not None:
             raise TransportError(f"{self.name}: make_xfer local side: {problem}")
@@ -370,11 +353,11 @@ class SimTransport:
         self._xfers[handle] = _Xfer(op=op, local=_DList(agent=self.name, descs=ld), local_ids=ids,
                                     remote=_DList(agent=remote_agent, descs=rd), remote_ids=ids,
                                     notif=bytes(notif), nbytes=int(ld[:, 1].sum()),
-                                    rows=int(la.shape[0]), owner=self.world.post_owner,
+                                    rows=int(rows), owner=self.world.post_owner,
                                     # strided rows are prepared lists (coalesced); plain rows go
                                     # through initialize_xfer, which NIXL 1.5 does not coalesce
                                     coalesced=coalesced_count(ld, rd) if coalesces(
-                                        "prepped" if la.shape[1] == 5 else "non_prepped")
+                                        "non_prepped" if pairs.local_strided is None else "prepped")
                                     else int(ld.shape[0]),
                                     handle=handle)
         return handle
