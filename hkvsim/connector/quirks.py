@@ -26,7 +26,9 @@ QUIRKS: dict[str, Quirk] = {
             reproduces="pre-vLLM#49762 register_kv_caches: a shared (dual-purpose) region keeps the "
             "MLA flag and geometry of whichever layer registered first (KDA before MLA in KimiLinear)",
             symptom="MLA blocks head-sliced as SPLIT under heterogeneous TP, attention descriptors "
-            "strided by the unified page: silent KV corruption",
+            "strided by the unified page: the rank's own list runs past its registered memory and "
+            "the transport refuses it at registration (the run cannot start; where it stayed in "
+            "range, the KV would be read from wrong offsets)",
         ),
         Quirk(
             name="push-single-source-assert",
