@@ -199,3 +199,21 @@ def test_fit_recovers_the_constants_of_a_known_profile() -> None:
                          grid=(0.2, 0.3, 0.5, 0.8, 1.2), notice_grid=(1.0, 200.0, 400.0, 800.0))
     assert (fit.core_gbps, fit.completion_notice_us) == (0.5, 400.0)
     assert sims == pytest.approx(real, rel=1e-9)
+
+
+def test_sweep_calibration_refuses_a_loaded_machine(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`hkvsim calibrate` (the sweep) checks the load before measuring anything."""
+    import argparse
+    import os
+
+    import hkvsim.backends.calibrate as cal
+    import hkvsim.transport.nixl as tn
+
+    monkeypatch.setattr(tn, "load_nixl", lambda: None)
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    monkeypatch.setattr(cal, "calibrate", lambda **kw: pytest.fail("measured on a loaded box"))
+    args = argparse.Namespace(host=False, quick=False, force=False, profile_out=None,
+                              report_dir=None, budget=1.0, json=False)
+    assert cal.run_calibration_cli(args) == 2
+    assert "load average 99.00 >" in capsys.readouterr().err
