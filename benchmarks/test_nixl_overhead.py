@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest benchmarks/test_nixl_overhead.py -q --benchmark-enable
 
 The same READ (Kimi-Linear-48B, one 8,192-token request, decode TP1 <- prefill TP1: 1,134
-descriptors, 123 MB, DOMAIN.md §10) is posted side by side, in alternating rounds, by the
+descriptors, 123 MB, docs/semantics.md §10) is posted side by side, in alternating rounds, by the
 connector (ConnectorWorker.start_read + poll over NixlTransport) and by a bare loop of
 nixl_agent calls on the same prepared lists, ids and notification. Acceptance: the connector
 reaches >= 90 % of the bare loop's throughput. The measured ratio lands in extra_info (and in

@@ -134,7 +134,7 @@ def test_simulation_scaling(benchmark, figures, label: str, kwargs: dict) -> Non
 @pytest.mark.timeout(900)
 def test_memory_vs_num_blocks(benchmark, figures, known_gap) -> None:
     """Peak RSS of the same 200-request workload with 4k / 16k / 64k logical blocks per engine.
-    The slope is the prepared descriptor lists (DOMAIN.md §3.3: one descriptor per kernel block
+    The slope is the prepared descriptor lists (docs/semantics.md §3.3: one descriptor per kernel block
     per region, per list), which the reference connector also builds."""
     known_gap("prepared descriptor lists are (N, 3) arrays with one row per "
               "kernel block per region (24 B each); strided prepared lists (N x 5, one row per "

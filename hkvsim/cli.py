@@ -25,12 +25,13 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from .fabric import PlacementError, ProfileError
     from .fabric.links import FabricError
     from .geometry.specs import GeometryError
+    from .memory_estimate import MemoryGuardError
     from .pd.records import RankSetupError
     from .scenario import ScenarioError
     from .shards import SelectionError
 
     return (ScenarioError, GeometryError, ProfileError, PlacementError, FabricError, TPError,
-            SelectionError, RankSetupError)
+            SelectionError, RankSetupError, MemoryGuardError)
 
 
 def _load(path: str) -> list[Any]:
@@ -68,7 +69,13 @@ def _bar(total: int, label: str) -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import plan_scenario
 
+    from .memory_estimate import estimate_memory
+    from .pd.deployment import build_deployment
+
     plans = [plan_scenario(s) for s in _progress(_load(args.file), "planning")]
+    if not args.json:  # (plan --json stays the planned transfers only)
+        for s, plan in zip(_load(args.file), plans):
+            plan["memory"] = estimate_memory(build_deployment(s)).as_dict()
     if args.json:
         _emit_json(plans[0] if len(plans) == 1 else plans)
         return EXIT_OK
@@ -104,6 +111,14 @@ def _print_plan(console: Any, plan: dict[str, Any]) -> None:
     console.print(table)
     hs = plan["handshake"]
     console.print("handshake: " + ("[green]ok[/]" if hs["ok"] else f"[red]refused[/]: {hs['error']}"))
+    mem = plan.get("memory")
+    if mem:
+        from .memory_estimate import describe
+
+        console.print(f"peak memory (estimate): verified run {describe(mem['verified_bytes'])} "
+                      f"({describe(mem['cache_pages_bytes'])} of cache pages touched, "
+                      f"{describe(mem['descriptor_list_bytes'])} of descriptor lists); "
+                      f"timing-only {describe(mem['timing_only_bytes'])}")
     reqs = plan["requests"]
     if reqs:
         t = Table("request", "prompt", "hit asked", "hit reused", "descriptors",
@@ -145,6 +160,11 @@ def _run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Any]]
     scenarios = _load(args.file)
     indices = _selected(args, len(scenarios))
     count = len(scenarios)
+    if not args.force:  # each variant must fit in the memory available now
+        from .memory_estimate import check_fits
+
+        for i in indices:
+            check_fits(scenarios[i], timing_only=args.timing_only)
     if args.jobs < 1:
         raise SelectionError(f"--jobs {args.jobs}: expected a number of processes >= 1")
     if args.jobs > 1 and len(indices) > 1:
@@ -153,13 +173,20 @@ def _run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Any]]
                                  f"variant already runs one process per rank; spread a sweep "
                                  f"over machines with --shard i/n instead")
         flags = [f for f, on in (("--timing-only", args.timing_only),
-                                 ("--requests", args.requests)) if on]
+                                 ("--requests", args.requests), ("--force", args.force)) if on]
         chunks = min(len(indices), args.jobs)
         with _bar(chunks, f"running {len(indices)} variants in {chunks} processes") as step:
             return run_children(args.file, indices, jobs=args.jobs, flags=flags,
                                 on_chunk=step), scenarios
     if args.backend == "nixl":  # real NIXL, one process per rank (hkvsim/backends)
         from .drivers.nixl import run_for_cli
+        from .scenario import ScenarioError
+
+        for i in indices:
+            if scenarios[i].connector.implementation != "hkvsim":
+                raise ScenarioError("implementation 'vllm' runs on the simulated fabric only "
+                                    "(--backend sim); --backend nixl is not supported with it yet",
+                                    source=scenarios[i].source, key="connector.implementation")
 
         results = run_for_cli([scenarios[i] for i in indices], timing_only=args.timing_only,
                               progress=_progress)
@@ -447,6 +474,32 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Run each variant with hkvsim's connector core and with vLLM's; list where they differ.
+    Exit 0 when they agree everywhere, 1 when they differ."""
+    from .implementations.diff import diff_scenario
+
+    scenarios = _load(args.file)
+    diffs, variants = [], []
+    for s in scenarios:
+        found, core, vllm = diff_scenario(s)
+        diffs += found
+        variants.append({"variant": s.scenario.name, "differences": len(found),
+                         "hkvsim_outcome": core.outcome, "vllm_outcome": vllm.outcome,
+                         "vllm_version": vllm.implementation.get("version")})
+    if args.json:
+        _emit_json({"source": args.file, "variants": variants,
+                    "differences": [d.as_dict() for d in diffs]})
+    else:
+        for v in variants:
+            print(f"{v['variant']}: hkvsim {v['hkvsim_outcome']}, vLLM {v['vllm_version']} "
+                  f"{v['vllm_outcome']}, {v['differences']} difference(s)")
+        for d in diffs:
+            print(f"  {d}")
+        print(f"{len(diffs)} difference(s) in {len(variants)} variant(s)")
+    return EXIT_OK if not diffs else EXIT_EXPECTATION
+
+
 def cmd_quirks(args: argparse.Namespace) -> int:
     from .connector.quirks import QUIRKS
 
@@ -534,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run only the variants whose index is I modulo N (0 <= I < N), to "
                             "spread a sweep over N machines; `hkvsim report` merges the saved "
                             "--json --requests outputs")
+        p.add_argument("--force", action="store_true",
+                       help="run a verified scenario even when its memory estimate (see "
+                            "`hkvsim plan`) exceeds the memory available")
         p.add_argument("--variants", default=None, help=argparse.SUPPRESS)  # --jobs children
         p.set_defaults(func=func)
 
@@ -610,6 +666,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the model presets and their key numbers")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_presets)
+    p = sub.add_parser("diff", help="run a scenario with hkvsim's connector core and with "
+                                    "vLLM's (needs scripts/with-vllm); list where they differ")
+    p.add_argument("file", help="scenario file (.toml)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_diff)
     p = sub.add_parser("quirks", help="list the named replays of known connector bugs")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_quirks)

@@ -1,4 +1,4 @@
-"""Run results as JSON (the machine-readable contract of DESIGN.md) and expectation checks."""
+"""Run results as JSON (the machine-readable contract documented in README.md) and expectation checks."""
 
 from __future__ import annotations
 
@@ -279,6 +279,8 @@ def result_json(result: RunResult, *, requests: bool = False,
                for k in PHASES[1:]},
         },
     }
+    if result.implementation:  # absent for hkvsim's own core (keeps its outputs unchanged)
+        out["implementation"] = dict(result.implementation)
     if requests:
         out["request_details"] = [{**r.as_dict(), **request_timing(r.times, r.telemetry, mode)}
                                   for r in recs]

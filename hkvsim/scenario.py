@@ -1,12 +1,12 @@
 """Scenario files: the TOML schema, loading, sweep expansion and one-line errors.
 
 A scenario file describes one deployment (model, prefill and decode engines, connector, fabric),
-a workload, optional injected faults and the expected outcome (DESIGN.md, "Scenario files")::
+a workload, optional injected faults and the expected outcome (docs/scenarios.md)::
 
     scenarios = load_scenarios("scenarios/kimi/pull-2p4d.toml")   # one per sweep variant
     spec = scenarios[0].model_spec()
 
-Validation is strict and loud (DESIGN.md principle 6): every section is a frozen pydantic model
+Validation is strict and loud: every section is a frozen pydantic model
 with ``extra="forbid"``; integers, floats, strings and booleans are not coerced across types
 (``tp = "2"`` and ``tp = true`` are errors, ``lease_seconds = 30`` is a float); nothing is
 clamped. Every failure raises :class:`ScenarioError`, a one-line ``ValueError`` of the form
@@ -412,9 +412,11 @@ class ConnectorSection(_Section):
     transfer_timeout_seconds: PositiveFloat = 60.0
     enforce_handshake_compat: Bool = True
     descriptor_merge: Literal["off", "contiguous", "strided"] = "off"
-    # a remote engine idle this long is evicted when a new handshake starts (DOMAIN.md §9.4)
+    # a remote engine idle this long is evicted when a new handshake starts (docs/semantics.md §9.4)
     engine_ttl_seconds: PositiveFloat = 3600.0
     host_buffer: Bool = False
+    # whose connector code runs: hkvsim's own core, or a vLLM release's (docs/vllm.md)
+    implementation: Literal["hkvsim", "vllm"] = "hkvsim"
 
     @field_validator("quirks")
     @classmethod

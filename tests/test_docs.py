@@ -213,11 +213,13 @@ OUTSIDE = re.compile(r"\.\./shared|shared/docs|DOMAIN\.md|DESIGN\.md|VLLM_HARNES
 
 def _shipped_texts() -> list[Path]:
     patterns = ("*.md", "docs/*.md", "hardware/*.md", "reports/**/*.md", "reports/**/*.json",
-                "scenarios/**/*.toml")
+                "scenarios/**/*.toml", "hkvsim/**/*.py", "hkvsim/**/*.toml", "hkvsim/**/*.txt",
+                "scripts/*", "benchmarks/*.py")
     return [p for pattern in patterns for p in ROOT.glob(pattern)]
 
 
-def test_no_readme_doc_scenario_or_report_points_outside_the_repository() -> None:
+def test_nothing_shipped_points_outside_the_repository() -> None:
+    """README, docs, reports, scenarios, the package's code and data, scripts and benchmarks."""
     files = _shipped_texts()
     assert any(p.name == "README.md" for p in files) and any(p.suffix == ".toml" for p in files)
     offenders = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"

@@ -163,7 +163,7 @@ def test_zero_byte_transfer_costs_post_and_latency_only() -> None:
 
 
 def test_published_h200_nvlink_tp1_example() -> None:
-    """DOMAIN.md §10 TP1->TP1 KimiLinear 8K: 1,134 descriptors, 77.4 + 45.6 MB."""
+    """docs/semantics.md §10 TP1->TP1 KimiLinear 8K: 1,134 descriptors, 77.4 + 45.6 MB."""
     prof = load_profile("h200-nvlink")
     env, fab = new_fabric(prof, grid(1, 8))
     n, d = 123_000_000, 1_134

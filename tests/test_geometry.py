@@ -19,7 +19,7 @@ TPS = (1, 2, 4, 8)
 def test_kimi_linear_unified_geometry(tp: int, ppl: int, logical: int) -> None:
     # mamba page = conv 3 x (4096/t cols x 3 rows x 2 B) + recurrent (32/t x 128 x 128 x 4 B)
     #            = 2,170,880 / t B; MLA kernel page = 64 tokens x (512 + 64) x 2 B = 73,728 B;
-    # logical = 64 * ceil(mamba_page / 73,728); ppl = logical / 64 (DOMAIN.md §2.3 table).
+    # logical = 64 * ceil(mamba_page / 73,728); ppl = logical / 64 (docs/semantics.md §2.3 table).
     layout = build_layout(preset("kimi-linear-48b"), tp=tp, block_size=64, num_blocks=8)
     assert layout.kernel_block_size == 64
     assert layout.logical_block_size == logical

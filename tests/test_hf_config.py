@@ -64,7 +64,7 @@ def test_kimi_layout_and_sizes() -> None:
     assert kimi.state_bytes_per_request(1) == 43_417_600
     assert kimi.state is not None
     assert kimi.state.conv_dtype == "bfloat16" and kimi.state.recurrent_dtype == "float32"
-    assert kimi.state.page_bytes(1) == 2_170_880  # DOMAIN.md §2.3, TP1 mamba page
+    assert kimi.state.page_bytes(1) == 2_170_880  # docs/semantics.md §2.3, TP1 mamba page
 
 
 def test_qwen3_next_layout_and_sizes() -> None:
@@ -72,7 +72,7 @@ def test_qwen3_next_layout_and_sizes() -> None:
     assert qwen.attention_layers == tuple(range(3, 48, 4))
     assert qwen.kv_bytes_per_token(1) == 24_576
     assert qwen.state is not None
-    # GDN conv Q|K|V = 2048 | 2048 | 4096 columns; page 2,146,304 B at TP1 (DOMAIN.md §2.4).
+    # GDN conv Q|K|V = 2048 | 2048 | 4096 columns; page 2,146,304 B at TP1 (docs/semantics.md §2.4).
     assert qwen.state.conv_subprojections == (("Q", 2048), ("K", 2048), ("V", 4096))
     assert qwen.state.page_bytes(1) == 2_146_304
 

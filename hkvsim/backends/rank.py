@@ -13,7 +13,7 @@ and answers READY with its handshake payload. Then it loops:
 * transfers that reached a terminal state go out as ``outcome`` events, notifications as
   ``notif`` events, handles released late as ``released`` events. NIXL is polled on every
   iteration, busy or idle: with NIXL's progress thread off this is what lets a peer's first
-  transfer to this agent finish (DOMAIN.md §11.4 hazard 6).
+  transfer to this agent finish (docs/semantics.md §11.4 hazard 6).
 
 It imports neither simpy nor the simulated fabric. stdout and stderr go to a per-rank log file
 (NIXL prints INFO lines to stdout, UCX and NIXL's C++ layer to stderr); the coordinator quotes its
@@ -29,13 +29,16 @@ import sys
 import time
 import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from ..pd.ops import (
     Message,
+    OracleWrite,
+    Verify,
+    WriteStale,
     Outcome,
     Released,
     WireError,
@@ -47,10 +50,10 @@ from ..pd.rank import RankExecutor
 from ..transport.base import TransportError
 from .side_channel import Channel, ChannelClosed, ProtocolError, fields
 
-__all__ = ["rank_entry", "RankProcess", "hello_message", "ucx_transports", "EXIT_OK",
-           "EXIT_SETUP", "EXIT_LOST"]
+__all__ = ["rank_entry", "serve_rank", "select_cuda_device", "staging_spans", "RankProcess", "hello_message", "ucx_transports", "EXIT_OK",
+           "EXIT_SETUP", "EXIT_LOST", "EXIT_UNREACHABLE"]
 
-EXIT_OK, EXIT_SETUP, EXIT_LOST, EXIT_CRASH = 0, 3, 4, 5
+EXIT_OK, EXIT_SETUP, EXIT_LOST, EXIT_CRASH, EXIT_UNREACHABLE = 0, 3, 4, 5, 6
 _IDLE_POLL_S = 0.001  # idle loop period: the side channel select timeout
 _BUSY_POLL_S = 0.0001  # while transfers are in flight
 _SETUP_TIMEOUT_S = 120.0
@@ -59,25 +62,48 @@ _SETUP_TIMEOUT_S = 120.0
 def rank_entry(host: str, port: int, credential: str, engine: str, rank: int, log_path: str,
                env: dict[str, str] | None = None) -> None:
     """Process entry point (multiprocessing spawn target; primitive arguments only).
-    ``credential`` is this rank's one-time HELLO credential."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    ``credential`` is this rank's one-time HELLO credential; ``env`` may only hold
+    allow-listed variables (:mod:`hkvsim.lab_env`)."""
+    from ..lab_env import allowed
+
+    refused = sorted(k for k in (env or {}) if not allowed(k))
+    if refused:  # the driver filters; anything else here is a bug, not a setting
+        raise SystemExit(f"rank {engine}.{rank}: environment {refused} not allowed")
     for key, value in (env or {}).items():
         os.environ[key] = value
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    sys.exit(serve_rank(host, port, credential, engine, rank, log_path))
+
+
+def serve_rank(host: str, port: int, credential: str, engine: str, rank: int,
+               log_path: str) -> int:
+    """Run one rank of one run in this process until the coordinator shuts it down; returns
+    its exit status (EXIT_*). stdout and stderr go to ``log_path`` from here on (a torchrun
+    worker calls this once per scenario variant, each with its own log; they are restored
+    afterwards). A coordinator that cannot be reached is said on the process's own stderr."""
     try:
         chan = Channel.connect(host, port, timeout=30.0)
     except OSError as exc:
         print(f"rank {engine}.{rank}: cannot reach the coordinator at {host}:{port}: {exc}",
               file=sys.stderr, flush=True)
-        sys.exit(EXIT_LOST)
-    code = RankProcess(chan, credential=credential, engine=engine, rank=rank,
-                       log_path=log_path).run()
+        return EXIT_UNREACHABLE
     sys.stdout.flush()
     sys.stderr.flush()
-    sys.exit(code)
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    try:
+        return RankProcess(chan, credential=credential, engine=engine, rank=rank,
+                           log_path=log_path).run()
+    finally:
+        chan.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, fd in zip((1, 2), saved):  # the process's own output again (next round)
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 _PROTO_HEADER = re.compile(r"remote memory (read|write) by ucp_(get|put)")
@@ -111,13 +137,60 @@ def ucx_transports(log_text: str) -> list[str]:
     return found
 
 
+def staging_spans(layout: Any, blocks: Mapping[int, Any]) -> list[tuple[int, int]]:
+    """The byte ranges of a rank's allocation that hold the given logical blocks, in every
+    tensor: what an oracle step on those blocks may read or write (a region view), so a VRAM
+    rank stages only these through host memory instead of its whole cache.
+
+    From the allocation's tensor geometry alone (tensor i starts at i * tensor_stride; within
+    it, logical block b is the b-th unified page, and the attention view's kernel blocks of b
+    are its b*ppl-th.. pages), never from the connector's descriptors. Sorted, merged."""
+    parts = [np.asarray(v, dtype=np.int64).reshape(-1) for v in blocks.values()]
+    ids = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+    if ids.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1)
+    first = ids[np.concatenate([[0], breaks + 1])]
+    last = ids[np.concatenate([breaks, [ids.size - 1]])] + 1
+    pages = {int(layout.unified_page_bytes),
+             int(layout.physical_blocks_per_logical * layout.attention_page_bytes)}
+    lo_parts, hi_parts = [], []
+    for t in range(layout.num_tensors):
+        base, limit = t * layout.tensor_stride, t * layout.tensor_stride + layout.tensor_bytes
+        for page in pages:
+            lo_parts.append(np.minimum(base + first * page, limit))
+            hi_parts.append(np.minimum(base + last * page, limit))
+    lo, hi = np.concatenate(lo_parts), np.concatenate(hi_parts)
+    keep = hi > lo
+    lo, hi = lo[keep], hi[keep]
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], np.maximum.accumulate(hi[order])
+    new = np.concatenate([[True], lo[1:] > hi[:-1]])  # a gap before this span
+    starts = lo[new]
+    ends = hi[np.concatenate([np.flatnonzero(new)[1:] - 1, [lo.size - 1]])]
+    return [(int(a), int(b)) for a, b in zip(starts, ends)]
+
+
 class _HostStagedExecutor(RankExecutor):
-    """A rank executor whose cache may live in VRAM: reads and writes go through the host
-    shadow, and only the words a write changed are pushed back (DMA may be landing elsewhere)."""
+    """A rank executor whose cache may live in VRAM: oracle steps run on the host shadow. Only
+    the region the step touches is copied from the device (its blocks' pages, see
+    :func:`staging_spans`; the whole cache for a step without block ids), and only the bytes a
+    write changed are pushed back (DMA may be landing elsewhere meanwhile)."""
 
     def __init__(self, rank: Any, worker: Any, oracle: Any, transport: Any) -> None:
         super().__init__(rank, worker, oracle)
         self.transport = transport
+        self._spans: list[tuple[int, int]] | None = None  # the current op's region
+        self.staged_bytes = 0  # device <-> host bytes moved for oracle steps (both ways)
+
+    def execute(self, op: Any) -> Any:
+        blocks = getattr(op, "blocks", None) if isinstance(op, (OracleWrite, WriteStale,
+                                                                  Verify)) else None
+        self._spans = None if blocks is None else staging_spans(self.worker.layout, blocks)
+        try:
+            return super().execute(op)
+        finally:
+            self._spans = None
 
     def access(self, write: bool, fn: Callable[[np.ndarray], Any]) -> Any:
         from ..transport.nixl import device_sync
@@ -125,24 +198,40 @@ class _HostStagedExecutor(RankExecutor):
         memory = self.worker.memory
         if memory.mem_type != "VRAM":
             return fn(memory.array)
-        device_sync(self.transport, memory, to_device=False)
-        before = memory.array.copy() if write else None
+        spans = self._spans if self._spans is not None else [(0, memory.nbytes)]
+        device_sync(self.transport, memory, to_device=False, ranges=spans)
+        self.staged_bytes += sum(b - a for a, b in spans)
+        before = [memory.array[a:b].copy() for a, b in spans] if write else []
         result = fn(memory.array)
-        if write:
-            words_now = memory.array[: memory.nbytes // 8 * 8].view(np.uint64)
-            words_old = before[: memory.nbytes // 8 * 8].view(np.uint64)
-            changed = np.flatnonzero(words_now != words_old)
-            if changed.size:  # push back only what this rank wrote
-                breaks = np.flatnonzero(np.diff(changed) != 1)
-                starts = np.concatenate([[changed[0]], changed[breaks + 1]])
-                ends = np.concatenate([changed[breaks], [changed[-1]]]) + 1
-                device_sync(self.transport, memory, to_device=True,
-                            ranges=[(int(a) * 8, int(b) * 8) for a, b in zip(starts, ends)])
-            tail = memory.nbytes % 8
-            if tail:
-                device_sync(self.transport, memory, to_device=True,
-                            ranges=[(memory.nbytes - tail, memory.nbytes)])
+        back: list[tuple[int, int]] = []
+        for (a, b), old in zip(spans, before):
+            changed = np.flatnonzero(memory.array[a:b] != old)
+            if changed.size:  # push back only what this rank wrote, run by run
+                cut = np.flatnonzero(np.diff(changed) != 1)
+                starts = np.concatenate([[changed[0]], changed[cut + 1]])
+                ends = np.concatenate([changed[cut], [changed[-1]]]) + 1
+                back += [(a + int(x), a + int(y)) for x, y in zip(starts, ends)]
+        if back:
+            device_sync(self.transport, memory, to_device=True, ranges=back)
+            self.staged_bytes += sum(b - a for a, b in back)
         return result
+
+
+def select_cuda_device(device_id: int) -> None:
+    """Make ``cuda:<device_id>`` this process's current device, refusing an allocator setting
+    that cuda_ipc cannot serve. Called before the NIXL agent is created."""
+    from ..lab_env import check_alloc_conf
+
+    check_alloc_conf()
+    import torch  # the lab's CUDA torch (pip install '.[lab]')
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("VRAM requested but torch sees no CUDA device")
+    count = torch.cuda.device_count()
+    if not 0 <= device_id < count:
+        raise RuntimeError(f"VRAM on cuda:{device_id} requested, but this node has {count} "
+                           f"CUDA device(s)")
+    torch.cuda.set_device(device_id)
 
 
 def hello_message(credential: str, engine: str, rank: int) -> dict[str, Any]:
@@ -255,6 +344,8 @@ class RankProcess:
         layout = engine_layout(model, section, num_blocks=f["num_blocks"],
                                registration_order=conn.registration_order, quirks=quirks)
         self.epoch = f["epoch"]
+        if f["mem_type"] == "VRAM":  # before the NIXL agent exists (UCX binds its CUDA context)
+            select_cuda_device(f["device_id"])
         self.transport = NixlTransport(
             f"{self.engine}.{self.rank}",
             config=NixlConfig(progress_thread=f["progress_thread"], telemetry=f["telemetry"]),

@@ -1,6 +1,6 @@
 """The side channel of the NIXL run: length-prefixed msgpack frames over TCP, loopback by default.
 
-NIXL's own listener binds 0.0.0.0 (DOMAIN.md §11.4 hazard 5), and multiprocessing's
+NIXL's own listener binds 0.0.0.0 (docs/semantics.md §11.4 hazard 5), and multiprocessing's
 ``Connection.send`` pickles, so neither carries anything here. Every message between the
 coordinator (the scheduler / proxy) and a rank process is one frame:
 
@@ -17,8 +17,9 @@ body is read) and arrive complete within :data:`HELLO_TIMEOUT_S` (a slow or sile
 off), and a rank's HELLO must carry that rank's one-time credential from
 :class:`RankCredentials` (random per run, issued to the rank's process when it is started,
 compared in constant time and spent on first use), so a captured HELLO cannot be used again, in
-this run or another. Node agents of a multi-node run (``node_hello``) still prove themselves
-with the shared token. Refused connections are aborted, so nothing they sent stays buffered.
+this run or another. There is no other way in: under torchrun the credentials travel through
+torchrun's store (:mod:`hkvsim.lab`), never through a launcher protocol of hkvsim's own. Refused
+connections are aborted, so nothing they sent stays buffered.
 
 Block ids travel as ``[[group, [ids...]], ...]`` lists (:func:`groups_out` / :func:`groups_in`),
 never as pickled arrays.
@@ -115,7 +116,7 @@ class FrameBuffer:
 
 
 class Channel:
-    """A blocking socket with frame I/O, for rank processes and node agents."""
+    """A blocking socket with frame I/O, for rank processes."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -267,10 +268,10 @@ def token_ok(given: Any, expected: str) -> bool:
 
 class RankCredentials:
     """One-time credentials of one run, one per rank: random, issued by the coordinator to the
-    process it starts for that rank (or to the node agent that starts it), accepted once.
+    process it starts for that rank (or, under torchrun, through its store), accepted once.
 
     A captured HELLO is useless: replayed in the same run its credential is spent, in another run
-    it was never issued (even when a multi-node run reuses its shared token)."""
+    it was never issued."""
 
     def __init__(self) -> None:
         self._issued: dict[tuple[str, int], str] = {}
@@ -301,17 +302,14 @@ _HELLO = {"engine": str, "rank": int, "credential": str, "pid": int}
 class HelloGate:
     """Admission of new side-channel connections until they have proven themselves.
 
-    ``admit`` returns the first message of a connection that passed (a rank's ``hello``, or a
-    node agent's ``node_hello``) or None after aborting one that did not. Bounds: ``max_pending``
+    ``admit`` returns the first message of a connection that passed (a rank's ``hello``) or None after aborting one that did not. Bounds: ``max_pending``
     unauthenticated connections at once, a first frame of at most ``max_bytes`` (refused from
     its header), complete within ``timeout`` seconds. ``refused`` counts refusals by reason and
     ``pending`` is the number of connections being checked now."""
 
-    def __init__(self, *, credentials: RankCredentials, node_token: str | None = None,
-                 max_pending: int = MAX_UNAUTHENTICATED, max_bytes: int = HELLO_MAX_BYTES,
+    def __init__(self, *, credentials: RankCredentials, max_pending: int = MAX_UNAUTHENTICATED, max_bytes: int = HELLO_MAX_BYTES,
                  timeout: float | None = None) -> None:
         self.credentials = credentials
-        self.node_token = node_token
         self.max_pending = max_pending
         self.max_bytes = max_bytes
         self.timeout = HELLO_TIMEOUT_S if timeout is None else timeout
@@ -328,9 +326,6 @@ class HelloGate:
             except ProtocolError as exc:
                 return str(exc)
             return self.credentials.redeem(f["engine"], f["rank"], f["credential"])
-        if op == "node_hello" and self.node_token is not None:
-            return None if token_ok(message.get("token"), self.node_token) else (
-                "node_hello with a wrong token")
         return f"unexpected first message {op!r:.40}"
 
     async def admit(self, reader: asyncio.StreamReader,

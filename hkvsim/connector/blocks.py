@@ -1,4 +1,4 @@
-"""Block-id handling: logical->kernel expansion, block size ratio, pairing (DOMAIN.md §6-7).
+"""Block-id handling: logical->kernel expansion, block size ratio, pairing (docs/semantics.md §6-7).
 
 Pure, vectorised functions over int64 arrays of block ids.
 """

@@ -1,4 +1,4 @@
-"""Descriptor arrays and descriptor ids (DOMAIN.md §3.3-3.4, §5.2-5.4). Vectorised with numpy.
+"""Descriptor arrays and descriptor ids (docs/semantics.md §3.3-3.4, §5.2-5.4). Vectorised with numpy.
 
 A descriptor list is an (N, 3) uint64 array of (addr, len, device). The order is part of the
 contract: attention descriptors region-major, then state descriptors sub-region-major; local and
@@ -63,8 +63,8 @@ def _stack(addr: np.ndarray, length: np.ndarray, device: int) -> np.ndarray:
 
 
 def _attention_part(meta: RankMetadata, sub_blocks: int, lens: np.ndarray,
-                    offsets: np.ndarray) -> np.ndarray:
-    """(R, N_fa * sub_blocks) addresses and lengths for the attention part.
+                    offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(R, N_fa, sub_blocks) addresses, and lengths broadcastable to them, for the attention part.
 
     ``lens`` / ``offsets`` are per region (R,) arrays: descriptor length and start offset within
     each (sub-)block.
@@ -74,31 +74,41 @@ def _attention_part(meta: RankMetadata, sub_blocks: int, lens: np.ndarray,
     blocks = np.arange(meta.num_blocks, dtype=np.int64)[None, :, None]
     sub = np.arange(sub_blocks, dtype=np.int64)[None, None, :]
     sub_len = (np.asarray(meta.block_lens, dtype=np.int64) // sub_blocks)[:, None, None]
-    addr = base + blocks * stride + sub * sub_len + offsets[:, None, None]
-    length = np.broadcast_to(lens[:, None, None], addr.shape)
-    return np.stack([addr.reshape(-1), length.reshape(-1)], axis=1)
+    # the small terms first, so that only one array of the full size is allocated
+    addr = blocks * stride + (base + sub * sub_len + offsets[:, None, None])
+    return addr, np.asarray(lens, dtype=np.int64)[:, None, None]
 
 
 def _state_part(meta: RankMetadata, regions: np.ndarray, offsets: np.ndarray,
-                sizes: np.ndarray) -> tuple[np.ndarray, int]:
+                sizes: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], int]:
     """State descriptors: for each state region, sub-region j and logical block b."""
     if regions.size == 0:
-        return np.zeros((0, 2), dtype=np.int64), 0
+        return _NO_PART, 0
     ppl = meta.physical_blocks_per_logical
     n_log = meta.num_blocks // ppl
     page = np.asarray(meta.block_lens, dtype=np.int64)[regions] * ppl  # the unified page
     base = np.asarray(meta.base_addrs, dtype=np.int64)[regions]
     blocks = np.arange(n_log, dtype=np.int64)
-    addr = (base[:, None, None] + offsets[None, :, None] + blocks[None, None, :] * page[:, None, None])
-    length = np.broadcast_to(sizes[None, :, None], addr.shape)
-    return np.stack([addr.reshape(-1), length.reshape(-1)], axis=1), n_log
+    addr = blocks[None, None, :] * page[:, None, None] + (base[:, None, None]
+                                                          + offsets[None, :, None])
+    return (addr, np.asarray(sizes, dtype=np.int64)[None, :, None]), n_log
 
 
-def _assemble(meta: RankMetadata, attention: np.ndarray, attention_blocks: int, state: np.ndarray,
-              n_state_sub: int, n_log: int) -> DescriptorList:
-    both = np.concatenate([attention, state], axis=0)
-    descs = np.empty((both.shape[0], 3), dtype=np.uint64)
-    descs[:, :2] = both
+_NO_PART = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
+def _assemble(meta: RankMetadata, attention: tuple[np.ndarray, np.ndarray], attention_blocks: int,
+              state: tuple[np.ndarray, np.ndarray], n_state_sub: int, n_log: int
+              ) -> DescriptorList:
+    """The (N, 3) list: attention rows then state rows, written in place (no intermediate
+    (N, 2) arrays: lists reach millions of rows at production num_blocks)."""
+    n_att, n_state = attention[0].size, state[0].size
+    descs = np.empty((n_att + n_state, 3), dtype=np.uint64)
+    for start, (addr, length) in ((0, attention), (n_att, state)):
+        if addr.size:
+            rows = descs[start:start + addr.size]
+            rows[:, 0] = addr.reshape(-1)
+            rows[:, 1] = np.broadcast_to(length, addr.shape).reshape(-1)
     descs[:, 2] = meta.device_id
     return DescriptorList(descs=descs, num_attention_regions=meta.num_regions,
                           attention_blocks=attention_blocks, num_state_subregions=n_state_sub,
@@ -152,7 +162,7 @@ def sliced_descriptors(meta: RankMetadata, state_regions: Sequence[int], *, atte
         offsets_s = starts + state_chunk * (sizes // state_splits)
         state, n_log = _state_part(meta, regions, offsets_s, sizes // state_splits)
     else:
-        state, n_log = np.zeros((0, 2), np.int64), 0
+        state, n_log = _NO_PART, 0
     return _assemble(meta, attention, meta.num_blocks * sub_blocks, state,
                      regions.size * sizes.size, n_log)
 
@@ -198,6 +208,6 @@ def remote_descriptors(remote: RankMetadata, local: RankMetadata, state_regions:
             offsets_s = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         state, n_log = _state_part(remote, regions, offsets_s, sizes)
     else:
-        state, n_log = np.zeros((0, 2), np.int64), 0
+        state, n_log = _NO_PART, 0
     return _assemble(remote, attention, remote.num_blocks * remote_sub_blocks, state,
                      regions.size * local_sizes.size, n_log)

@@ -2,7 +2,7 @@
 
 The reference connector posts one descriptor per (region, kernel block) and per (state
 sub-region, slot): a 64k-token KimiLinear request is ~7,000 descriptors per rank, and the
-published cliffs (DOMAIN.md §10: 112K descriptors per rank-transfer, posting 57 % of the transfer
+published cliffs (docs/semantics.md §10: 112K descriptors per rank-transfer, posting 57 % of the transfer
 time) come from that per-block plan. This module turns a transfer's paired descriptors into a
 shorter plan that moves exactly the same (local byte, remote byte) pairs:
 
@@ -14,7 +14,7 @@ shorter plan that moves exactly the same (local byte, remote byte) pairs:
     region; equal-TP state sub-regions (conv Q|K|V|recurrent) collapse to one per page.
 
 ``"strided"``
-    NIXL's strided form (DOMAIN.md §11.3 item 4, NIXL PR #1978): rows ``(addr, len, dev,
+    NIXL's strided form (docs/semantics.md §11.3 item 4, NIXL PR #1978): rows ``(addr, len, dev,
     stride, count)`` naming ``count`` runs of ``len`` bytes, ``stride`` apart. The contiguous
     merge runs first; then consecutive rows of equal length whose addresses advance by one
     constant stride on each side (the strides may differ between the sides) become one row.
@@ -23,7 +23,7 @@ shorter plan that moves exactly the same (local byte, remote byte) pairs:
     conv pattern (remote stride = ``r`` x local size).
 
 Both are pure, vectorised functions of the two (N, 3) arrays; the per-block plan (ids into the
-prepared lists, DOMAIN.md §3.4) is computed first exactly as the reference does, so ids,
+prepared lists, docs/semantics.md §3.4) is computed first exactly as the reference does, so ids,
 pairing and every V-rule are untouched. The merged rows are posted through the non-prepped
 ``Transport.make_xfer`` (NIXL's ``initialize_xfer``). A row never spans two devices, never spans
 two registered regions (``regions``: the region index of every descriptor on each side; NIXL

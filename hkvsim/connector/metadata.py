@@ -37,7 +37,7 @@ __all__ = [
 
 CONNECTOR_VERSION = "hkvsim-connector/2"  # 2: prefix_caching in the payload
 FRAMEWORK_VERSION = "hkvsim/0.1"
-MAX_PAYLOAD_BYTES = 1 << 20  # real metadata is ~5-8 KB (DOMAIN.md §10); 1 MiB bounds hostile input
+MAX_PAYLOAD_BYTES = 1 << 20  # real metadata is ~5-8 KB (docs/semantics.md §10); 1 MiB bounds hostile input
 
 
 class MetadataError(ValueError):
@@ -60,7 +60,7 @@ class MetadataError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class RankMetadata:
-    """What one rank publishes about its cache (DOMAIN.md §4.2)."""
+    """What one rank publishes about its cache (docs/semantics.md §4.2)."""
 
     engine_id: str
     tp_rank: int

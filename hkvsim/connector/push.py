@@ -1,4 +1,4 @@
-"""Push mode's wire payloads (DOMAIN.md §8.2): decode's block registration and the request ids.
+"""Push mode's wire payloads (docs/semantics.md §8.2): decode's block registration and the request ids.
 
 Decode sends ``b"PUSH_REG:" + msgpack(registration)`` to every prefill agent. Decoding is strict
 (size limit, exact keys and types); a malformed registration is dropped, never half-applied.

@@ -1,4 +1,4 @@
-"""TP mapping from the reader's (local) view (DOMAIN.md §1, §4.1, §5.1-5.2).
+"""TP mapping from the reader's (local) view (docs/semantics.md §1, §4.1, §5.1-5.2).
 
 Pure functions; ``local`` is decode in pull and prefill in push.
 """
@@ -70,7 +70,7 @@ class SourcePlan:
 
 
 def source_plan(model: ModelSpec, *, local_tp: int, remote_tp: int, tp_rank: int) -> SourcePlan:
-    """DOMAIN.md §5.1 source ranks, slots and offset factor; §5.2 split-handle rule."""
+    """docs/semantics.md §5.1 source ranks, slots and offset factor; §5.2 split-handle rule."""
     r = tp_ratio(local_tp, remote_tp)
     attn = model.attention
     if attn.is_mla or local_tp >= remote_tp:

@@ -1,4 +1,4 @@
-"""Handshake validation rules V1-V10 (DOMAIN.md §4.4) plus the testbed's SSM geometry check.
+"""Handshake validation rules V1-V10 (docs/semantics.md §4.4) plus the testbed's SSM geometry check.
 
 Every failure raises :class:`HandshakeError` naming the rule, the local and remote values and the
 remedy. Pure functions of (local metadata, remote metadata, local settings).

@@ -7,7 +7,7 @@ is driven by the cluster (simulated) or a rank process (real NIXL).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -139,6 +139,10 @@ class ConnectorWorker:
         self._split_lists: dict[tuple[int, int, int], tuple[DescriptorList, int]] = {}
         self._remotes: dict[str, dict[int, _RemoteRank]] = {}
         self._in_flight: dict[str, _InFlight] = {}
+        # for poll(finished=...): in-flight handle -> its request, request -> posting order
+        self._handle_rid: dict[int, str] = {}
+        self._order: dict[str, int] = {}
+        self._next_order = 0
         # handles whose release failed (DMA may be live) -> the request they belong to
         self._zombies: dict[int, str] = {}
         self._released: list[str] = []  # requests whose last live handle was just released
@@ -292,8 +296,7 @@ class ConnectorWorker:
             outcome.failure_class = getattr(exc, "kind", "transfer_setup_failed")
             outcome.unreleased = self._unreleased(req.request_id)
             return outcome
-        self._in_flight[req.request_id] = _InFlight(request_id=req.request_id, handles=handles,
-                                                    outcome=outcome)
+        self._track(_InFlight(request_id=req.request_id, handles=handles, outcome=outcome))
         if not handles:
             return self._finish(req.request_id)
         return None
@@ -301,7 +304,7 @@ class ConnectorWorker:
     def _pair_blocks(self, *, prefill_blocks: Mapping[int, np.ndarray],
                      decode_blocks: Mapping[int, np.ndarray], hit_blocks: int, ppl_p: int,
                      ppl_d: int, bsr: int) -> "_PairedBlocks":
-        """Pair prefill's and decode's block ids group by group (DOMAIN.md §6-7), in the
+        """Pair prefill's and decode's block ids group by group (docs/semantics.md §6-7), in the
         descriptor-id units both lists use: prefill kernel blocks and decode (sub-)blocks.
 
         Attention: logical ids expanded with each side's own ppl, decode's split into bsr
@@ -325,7 +328,7 @@ class ConnectorWorker:
                 pairing = pair_attention(
                     decode_ids=d_sub, prefill_ids=expand_logical(p_ids, p_expand),
                     decode_hit_units=hit_blocks * ppl_d * bsr,
-                    # DOMAIN.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the
+                    # docs/semantics.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the
                     # ppl are equal, end-trim. Otherwise front-trim" -- the same ppl test as
                     # V4. A block size ratio is absorbed by decode's sub-block list (ids and hit
                     # offset are in prefill-kernel units), so it is not a ppl difference.
@@ -388,7 +391,7 @@ class ConnectorWorker:
 
     # ---- push (prefill side) --------------------------------------------------------------
     def start_write(self, req: WriteRequest) -> RequestOutcome | None:
-        """Post one WRITE per decode rank this prefill rank covers (DOMAIN.md §8.2). Returns an
+        """Post one WRITE per decode rank this prefill rank covers (docs/semantics.md §8.2). Returns an
         immediate outcome on a setup failure or when nothing needs moving, else None."""
         outcome = RequestOutcome(request_id=req.prefill_request_id, ok=False)
         try:
@@ -399,8 +402,8 @@ class ConnectorWorker:
             outcome.failure_class = getattr(exc, "kind", "transfer_setup_failed")
             outcome.unreleased = self._unreleased(req.prefill_request_id)
             return outcome
-        self._in_flight[req.prefill_request_id] = _InFlight(
-            request_id=req.prefill_request_id, handles=handles, outcome=outcome)
+        self._track(_InFlight(request_id=req.prefill_request_id, handles=handles,
+                              outcome=outcome))
         if not handles:
             return self._finish(req.prefill_request_id)
         return None
@@ -483,7 +486,7 @@ class ConnectorWorker:
 
     def _notify(self, agent: str, message: bytes) -> None:
         """A notification-only message. A failure is counted, not raised: the peer frees the
-        blocks at lease expiry instead (DOMAIN.md §9.3 notification_failed)."""
+        blocks at lease expiry instead (docs/semantics.md §9.3 notification_failed)."""
         try:
             self.transport.send_notif(agent, message)
         except TransportError:
@@ -514,7 +517,7 @@ class ConnectorWorker:
 
     def _release_quietly(self, handle: int, request_id: str) -> bool:
         """Release a handle; one that cannot be released yet is kept and retried on every poll
-        until it is terminal (DOMAIN.md §9.2: DMA may still be live). While it is kept, the
+        until it is terminal (docs/semantics.md §9.2: DMA may still be live). While it is kept, the
         request's destination blocks must not be reused (``live_handles``)."""
         try:
             self.transport.release_xfer_handle(handle)
@@ -549,11 +552,33 @@ class ConnectorWorker:
         out, self._released = self._released, []
         return out
 
-    def poll(self) -> list[RequestOutcome]:
-        """Check every in-flight request; return those that reached a terminal state."""
+    def _track(self, flight: _InFlight) -> None:
+        rid = flight.request_id
+        if rid not in self._in_flight:
+            self._order[rid] = self._next_order
+            self._next_order += 1
+        self._in_flight[rid] = flight
+        for h in flight.handles:
+            self._handle_rid[h] = rid
+
+    def poll(self, finished: Iterable[int] | None = None) -> list[RequestOutcome]:
+        """Check the in-flight requests; return those that reached a terminal state.
+
+        ``finished``: the handles that reached a terminal state since the last poll, when the
+        transport can tell (the simulated one can): only their requests are checked, in
+        posting order, instead of every request in flight."""
+        if finished is None:
+            rids = list(self._in_flight)
+        else:
+            owners = {self._handle_rid.get(h) for h in finished}
+            owners.discard(None)
+            rids = sorted(owners, key=self._order.__getitem__)  # type: ignore[arg-type]
+        return self._check(rids)
+
+    def _check(self, rids: list[str]) -> list[RequestOutcome]:
         finished: list[RequestOutcome] = []
         self._reap_zombies()
-        for rid in list(self._in_flight):
+        for rid in rids:
             flight = self._in_flight[rid]
             states = []
             for h in flight.handles:
@@ -587,7 +612,9 @@ class ConnectorWorker:
 
     def _terminate(self, rid: str) -> RequestOutcome:
         flight = self._in_flight.pop(rid)
+        self._order.pop(rid, None)
         for h in flight.handles:
+            self._handle_rid.pop(h, None)
             self._release_quietly(h, rid)
         flight.outcome.unreleased = self._unreleased(rid)
         return flight.outcome
@@ -623,7 +650,7 @@ class ConnectorWorker:
     # ---- post-processing -----------------------------------------------------------------
     def regroup_heads(self, kernel_blocks: np.ndarray, bsr: int) -> None:
         """After a bsr > 1 pull into HND blocks: bsr P blocks of [H, 2, t_P, d] become one
-        [H, 2, bsr*t_P, d] (DOMAIN.md §6). MLA and NHD blocks are already token-contiguous."""
+        [H, 2, bsr*t_P, d] (docs/semantics.md §6). MLA and NHD blocks are already token-contiguous."""
         if bsr == 1 or self.model.attention.is_mla or self.layout.kv_cache_layout != "HND":
             return
         assert self.memory is not None
@@ -668,7 +695,7 @@ class ConnectorWorker:
 
     def shutdown(self) -> None:
         """Release every transfer handle, local/split/remote list and remote agent, then
-        deregister memory (DOMAIN.md §9.4). Handles still in flight are kept (not released)."""
+        deregister memory (docs/semantics.md §9.4). Handles still in flight are kept (not released)."""
         for rid in list(self._in_flight):
             self._terminate(rid)
         self._reap_zombies()

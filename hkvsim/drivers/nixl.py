@@ -10,7 +10,10 @@ which holds every lifecycle rule:
    *spawn* method (primitive arguments only). Each rank says HELLO with its one-time credential
    (``side_channel.HelloGate`` admits connections: few unauthenticated at once, a small first
    frame, a short deadline, no replayed HELLO), gets SETUP (the scenario, its engine, rank, block count, memory type), registers its cache and
-   answers READY with its handshake payload and agent metadata.
+   answers READY with its handshake payload and agent metadata. Under torchrun
+   (:mod:`hkvsim.lab`) the driver runs in global rank 0 and spawns only that worker's own rank;
+   the other ranks are torchrun workers, told where to connect and their credentials through
+   torchrun's store (``NixlRunOptions.spawn_ranks`` / ``announce``).
 2. Each coordinator :class:`~hkvsim.pd.coordinator.Call` is sent to its rank as the operation's
    wire form with the call id as ``seq``; the rank's ``reply`` is fed back to the coordinator.
    What ranks report on their own (``outcome``, ``notif``, ``released``) becomes rank events; a
@@ -38,7 +41,6 @@ import logging
 import multiprocessing
 import os
 import re
-import secrets
 import shutil
 import signal
 import tempfile
@@ -119,12 +121,22 @@ class NixlRunOptions:
     lease_grace: float | None = 1.0  # see _drain_leases; None: sleep out every lease
     precommit: bool | None = None  # commit DRAM caches at setup; None: when they fit in RAM
     log_dir: str | None = None  # keep rank logs here (default: a temp dir, removed on success)
-    spawn: bool = True  # False: ranks are started by node agents (hardware/launch.py)
-    nodes: int = 1  # node agents expected when spawn is False
-    env: tuple[tuple[str, str], ...] = ()  # extra environment for the rank processes
-    token: str | None = None  # shared secret of a multi-node run (default: a random one)
-    slots_per_node: int | None = None  # spawn=False: rank slots (GPUs) per node
+    # Which ranks this driver starts itself (multiprocessing spawn): None = every rank (``hkvsim
+    # run --backend nixl``); a set = only these, the others are started elsewhere (torchrun
+    # workers, hkvsim.lab) and get where to connect and their one-time credentials from
+    # ``announce``.
+    spawn_ranks: frozenset[tuple[str, int]] | None = None
+    # The CUDA device of each rank, where the launcher placed it (torchrun: its local rank);
+    # ranks not listed get their index in the run (rank i of the run uses GPU i).
+    device_ids: tuple[tuple[str, int, int], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for spawned rank processes
     on_listening: Callable[[str, int], None] | None = None  # called once the channel is up
+    # called once the channel is up, with (host, port, {rank: one-time credential}) of the
+    # ranks this driver does not spawn (hkvsim.lab publishes them in torchrun's store)
+    announce: Callable[[str, int, dict[tuple[str, int], str]], None] | None = None
+    # an external rank's side channel closed: treat it as dead at once (no exit status to wait
+    # for), naming where it ran (hkvsim.lab: its torchrun global rank)
+    describe_rank: Callable[[str, int], str] | None = None
 
     @property
     def mem_type(self) -> str:
@@ -185,7 +197,6 @@ class _Rank:
     dead: str | None = None
     exitcode: int | None = None
     transports: list[str] = field(default_factory=list)
-    node: int = 0
     credential: str = ""  # its one-time HELLO credential (side_channel.RankCredentials)
 
     @property
@@ -213,7 +224,15 @@ class NixlDriver:
         self.options = options or NixlRunOptions()
         if self.options.device not in ("cpu", "cuda"):
             raise NixlRunError(f"device {self.options.device!r}; allowed: cpu, cuda")
+        if self.options.device == "cuda":
+            from ..lab_env import EnvError, check_alloc_conf
+
+            try:
+                check_alloc_conf()
+            except EnvError as exc:
+                raise NixlRunError(str(exc)) from None
         self._kills = self._check_faults(scenario)
+        self._rank_env()  # refuses a variable that is not allow-listed, before anything starts
         self.dep = build_deployment(scenario)
         self.verify = scenario.workload.verify and not timing_only
         coordinator_faults = [f for f in scenario.faults if f.kind in COORDINATOR_FAULTS]
@@ -222,7 +241,6 @@ class NixlDriver:
                          ) if coordinator_faults else None
         self._fault_plan = plan
         self.coord = Coordinator(self.dep, verify=self.verify, faults=plan)
-        self.token = self.options.token or secrets.token_hex(16)
         self.credentials = RankCredentials()
         self.gate: HelloGate | None = None
         self.ranks: list[_Rank] = []
@@ -241,7 +259,6 @@ class NixlDriver:
         self._log_dir = self.options.log_dir
         self._own_log_dir = False
         self.server_address: tuple[str, int] | None = None
-        self._nodes: list[dict[str, Any]] = []
 
     @staticmethod
     def _check_faults(scenario: Scenario) -> list[Any]:
@@ -286,15 +303,17 @@ class NixlDriver:
         else:
             os.makedirs(self._log_dir, exist_ok=True)
         self._plan_ranks()
-        self.gate = HelloGate(
-            credentials=self.credentials, node_token=self.token,
-            max_pending=max(MAX_UNAUTHENTICATED, 2 * len(self.ranks) + self.options.nodes))
+        self.gate = HelloGate(credentials=self.credentials,
+                              max_pending=max(MAX_UNAUTHENTICATED, 2 * len(self.ranks)))
         server = await asyncio.start_server(self._on_connection, host=self.options.host,
                                             port=self.options.port)
         sock = server.sockets[0].getsockname()
         self.server_address = (sock[0], sock[1])
         if self.options.on_listening is not None:
             self.options.on_listening(sock[0], sock[1])
+        if self.options.announce is not None:
+            self.options.announce(sock[0], sock[1], {
+                r.key: r.credential for r in self.ranks if not self._spawns(r)})
         ok = False
         try:
             await self._start_ranks()
@@ -324,13 +343,20 @@ class NixlDriver:
                 log.warning("rank logs kept in %s", self._log_dir)
 
     # ---- ranks: planning, spawning, setup ----------------------------------------------------
+    def _spawns(self, r: _Rank) -> bool:
+        """Whether this driver starts ``r``'s process itself (else a launcher does)."""
+        chosen = self.options.spawn_ranks
+        return chosen is None or r.key in chosen
+
     def _plan_ranks(self) -> None:
         slot = 0
+        placed = {(e, r): d for e, r, d in self.options.device_ids}
         for spec in self.dep.all_engines():
             for r in range(spec.tp):
                 path = os.path.join(self._log_dir or ".", f"{spec.engine_id}.{r}.log")
-                rank = _Rank(engine=spec.engine_id, role=spec.role, rank=r, device_id=slot,
-                             log_path=path, credential=self.credentials.issue(spec.engine_id, r))
+                rank = _Rank(engine=spec.engine_id, role=spec.role, rank=r,
+                             device_id=placed.get((spec.engine_id, r), slot), log_path=path,
+                             credential=self.credentials.issue(spec.engine_id, r))
                 self.ranks.append(rank)
                 self._by_key[rank.key] = rank
                 slot += 1
@@ -339,6 +365,12 @@ class NixlDriver:
         env = {"NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
         if self.options.ucx_proto_info and "UCX_PROTO_INFO" not in os.environ:
             env["UCX_PROTO_INFO"] = "y"
+        from ..lab_env import allowed
+
+        refused = sorted(k for k, _ in self.options.env if not allowed(k))
+        if refused:
+            raise NixlRunError(f"rank environment: {', '.join(refused)} not allowed (allowed: "
+                               f"UCX_*, NIXL_*, CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF)")
         env.update(dict(self.options.env))
         return env
 
@@ -347,13 +379,15 @@ class NixlDriver:
         for r in self.ranks:
             r.hello = self._loop.create_future()
             r.ready = self._loop.create_future()
-        if self.options.spawn:
+        if any(self._spawns(r) for r in self.ranks):
             from ..backends.rank import rank_entry
 
             ctx = multiprocessing.get_context("spawn")
             host, port = self.server_address  # type: ignore[misc]
             env = self._rank_env()
             for r in self.ranks:
+                if not self._spawns(r):
+                    continue
                 proc = ctx.Process(target=rank_entry, name=f"hkvsim-{r.engine}.{r.rank}",
                                    args=(host, port, r.credential, r.engine, r.rank,
                                          r.log_path, env), daemon=True)
@@ -393,14 +427,15 @@ class NixlDriver:
                                      agent_metadata=r.agent_metadata)
 
     async def _startup_wait(self, futures: list[Any], timeout: float) -> None:
-        """Wait for every future, or the first rank death, or the deadline."""
-        gathered = asyncio.ensure_future(asyncio.gather(*futures))
-        try:
-            await asyncio.wait_for(asyncio.shield(gathered), timeout)
-        except asyncio.TimeoutError:
-            gathered.cancel()
-            gathered.add_done_callback(_consume)
-            raise _WaitTimeout(f"startup within {timeout} s") from None
+        """Wait for every future, or the first rank death (a rank that failed its setup says
+        so at once: no waiting out the deadline), or the deadline."""
+        done, pending = await asyncio.wait(futures, timeout=timeout,
+                                           return_when=asyncio.FIRST_EXCEPTION)
+        failures = [exc for exc in (_consume(f) for f in done) if exc is not None]
+        if failures:
+            raise failures[0]
+        if pending:
+            raise _WaitTimeout(f"startup within {timeout} s")
 
     def _precommit(self) -> bool:
         """Commit DRAM caches at setup (like a real, preallocated cache) when they total at most
@@ -412,7 +447,7 @@ class NixlDriver:
         env = os.environ.get("HKVSIM_NIXL_PRECOMMIT")
         if env in ("0", "1"):
             return env == "1"
-        if self.options.mem_type != "DRAM" or not self.options.spawn:
+        if self.options.mem_type != "DRAM":
             return False
         total = sum(e.layout.total_bytes * e.tp for e in self.dep.all_engines())
         try:
@@ -444,9 +479,6 @@ class NixlDriver:
         hello = await self.gate.admit(reader, writer)  # None: refused, and closed
         if hello is None:
             return
-        if hello["op"] == "node_hello":
-            await self._node_session(hello, reader, writer)
-            return
         r = self._by_key.get((hello["engine"], hello["rank"]))
         if r is None or r.writer is not None:
             writer.close()
@@ -471,70 +503,14 @@ class NixlDriver:
             if not r.closing and r.dead is None:
                 reason = ("closed its side channel" if isinstance(exc, ChannelClosed)
                           else f"closed its side channel ({exc})")
-                try:
-                    await asyncio.sleep(0.3)  # let the sentinel report the exit status first
-                except asyncio.CancelledError:  # the run is over
-                    return
+                if r.proc is not None:
+                    try:
+                        await asyncio.sleep(0.3)  # let the sentinel report the exit status first
+                    except asyncio.CancelledError:  # the run is over
+                        return
+                elif self.options.describe_rank is not None:  # started by a launcher
+                    reason += f" ({self.options.describe_rank(r.engine, r.rank)})"
                 self._on_death(r, reason)
-
-    async def _node_session(self, hello: dict[str, Any], reader: asyncio.StreamReader,
-                            writer: asyncio.StreamWriter) -> None:
-        """A node agent of the lab launcher: it gets the ranks it must start, and reports the
-        ones that die. Ranks are given out node by node, engine by engine (an engine's ranks
-        never straddle nodes when they fit on one)."""
-        gpus = hello.get("slots")
-        node = hello.get("node")
-        if not isinstance(gpus, int) or not isinstance(node, int) or gpus < 1:
-            writer.close()
-            return
-        if any(n["node"] == node for n in self._nodes):
-            log.error("node %d connected twice; refused", node)
-            writer.close()
-            return
-        self._nodes.append({"node": node, "slots": gpus, "writer": writer})
-        assignments = self._assign_node(node, gpus)
-        needed = 1 + max(r.node for r in self.ranks)
-        if needed > self.options.nodes:
-            self._void(f"the scenario needs {needed} node(s) of {gpus} slot(s) for "
-                       f"{len(self.ranks)} ranks; the run was started with "
-                       f"--nodes {self.options.nodes}")
-        writer.write(pack({"op": "assign", "ranks": [
-            [r.engine, r.rank, r.device_id, os.path.basename(r.log_path), r.credential]
-            for r in assignments],
-            "env": self._rank_env()}))
-        try:
-            while True:
-                message = await read_message(reader)
-                if message.get("op") == "died":
-                    r = self._by_key.get((str(message.get("engine")),
-                                          int(message.get("rank", -1))))
-                    if r is not None:
-                        r.exitcode = message.get("exitcode") if isinstance(
-                            message.get("exitcode"), int) else None
-                        self._on_death(r, _describe_exit(r.exitcode) + (
-                            f"; last log lines: {message['tail']}" if isinstance(
-                                message.get("tail"), str) and message["tail"] else ""))
-        except (ChannelClosed, ProtocolError):
-            return
-
-    def _assign_node(self, node: int, slots: int) -> list[_Rank]:
-        """The ranks node ``node`` starts: engines are packed onto nodes in order (prefill
-        engines first), an engine moving to the next node when it does not fit."""
-        placement: list[tuple[int, int]] = []
-        current, used = 0, 0
-        for spec in self.dep.all_engines():
-            if used + spec.tp > slots and used:
-                current, used = current + 1, 0
-            for _ in range(spec.tp):
-                placement.append((current, used))
-                used += 1
-        out = []
-        for r, (n, device) in zip(self.ranks, placement):
-            r.node = n
-            if n == node:
-                r.device_id = device
-                out.append(r)
-        return out
 
     def _send(self, r: _Rank, message: dict[str, Any]) -> None:
         if r.dead is not None or r.writer is None:
@@ -717,7 +693,7 @@ class NixlDriver:
             r.proc.join(10.0)  # reap it now, so the death is known before anything else runs
             r.exitcode = r.proc.exitcode
             self._on_death(r, f"{_describe_exit(r.exitcode)} ({why})")
-        else:  # a rank on another node: it SIGKILLs itself; its node agent reports the death
+        else:  # a rank a launcher started (torchrun): it SIGKILLs itself, torchrun sees it
             try:
                 self._send(r, {"op": "die"})
             except _RankDied:
@@ -870,12 +846,6 @@ class NixlDriver:
                 if r.proc.is_alive():
                     r.proc.kill()
                     r.proc.join(3.0)
-        for node in self._nodes:
-            try:
-                node["writer"].write(pack({"op": "done"}))
-                node["writer"].close()
-            except Exception:
-                pass
 
     @property
     def transports(self) -> dict[str, list[str]]:

@@ -65,15 +65,22 @@ class SimDriver:
         self.ranks: dict[RankId, RankExecutor] = {}
         self._agent_rank: dict[str, RankId] = {}
         self._base: dict[RankId, int] = {}
+        self.implementation: dict[str, str] = {}
+        make_worker: Callable[..., Any] = ConnectorWorker
+        if scenario.connector.implementation == "vllm":
+            from ..implementations.vllm.run import vllm_worker_factory
+
+            make_worker, self.implementation = vllm_worker_factory(
+                self.dep, now=lambda: self.env.now, moves_bytes=self.world.move_bytes)
         for spec in self.dep.all_engines():
             settings = self.dep.settings[spec.role]
             oracle = Oracle(spec.layout.model) if self.verify else None
             for r in range(spec.tp):
                 rank = (spec.engine_id, r)
                 transport = self.world.create_agent(f"{spec.engine_id}.{r}", rank)
-                worker = ConnectorWorker(engine_id=spec.engine_id, role=spec.role, tp_rank=r,
-                                         layout=spec.layout, transport=transport,
-                                         settings=settings, device_id=r)
+                worker = make_worker(engine_id=spec.engine_id, role=spec.role, tp_rank=r,
+                                     layout=spec.layout, transport=transport,
+                                     settings=settings, device_id=r)
                 try:
                     memory = worker.register(mem_type=profile.memory)
                 except TransportError as exc:  # as a NIXL rank process fails at setup
@@ -158,7 +165,8 @@ class SimDriver:
     def _on_activity(self, rank: RankId) -> None:
         """A transfer of, or a message to, the rank completed: poll it (the sans-I/O core is
         driven from here, as the engine's step loop drives the reference connector)."""
-        events = self.ranks[rank].poll()
+        executor = self.ranks[rank]
+        events = executor.poll(executor.worker.transport.take_finished())
         if events:
             self._deliver(lambda: self.coord.on_events(events, self.env.now))
 
@@ -185,7 +193,7 @@ class SimDriver:
 
     # ---- the landing guard ----------------------------------------------------------------
     def _on_landing(self, agent: str, addrs: np.ndarray, lengths: np.ndarray, owner: Any,
-                    landed: bool) -> bool:
+                    landed: bool, memo: dict[str, Any] | None = None) -> bool:
         """A transfer is posted, or its bytes land: every destination block must belong to the
         request the transfer was posted for. At posting, anything else is a stray write (the
         connector aimed at blocks its request does not hold); at landing, a late landing (bytes
@@ -194,7 +202,11 @@ class SimDriver:
             return False
         rank = self._agent_rank[agent]
         engine = self.coord.engine(rank[0])
-        _, blocks = blocks_touched(engine.layout, addrs - self._base[rank], lengths)
+        blocks = None if memo is None else memo.get("blocks")
+        if blocks is None:  # which blocks the runs touch is fixed; only their owners change
+            _, blocks = blocks_touched(engine.layout, addrs - self._base[rank], lengths)
+            if memo is not None:
+                memo["blocks"] = blocks
         owners = np.where(blocks == OUTSIDE_BLOCKS, OUTSIDE_BLOCKS - 1,
                           engine.pool.owner[np.maximum(blocks, 0)])
         bad = owners != owner
@@ -241,7 +253,7 @@ class SimDriver:
                          misplaced_write_reports=coord.misplaced_write_reports,
                          handshake_errors=coord.handshake_errors, leaks=leaks, counters=counters,
                          sim_seconds=coord.makespan(), layouts=layouts, warnings=coord.warnings(),
-                         verified=self.verify,
+                         verified=self.verify, implementation=dict(self.implementation),
                          link_segments=self.fabric.link_segments())
 
 

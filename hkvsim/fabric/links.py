@@ -33,15 +33,14 @@ iteration is over insertion-ordered dicts.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Generator, Hashable, Mapping
 from dataclasses import dataclass
-from itertools import count
 from typing import Any, Final
 
 import simpy
 
+from hkvsim.fabric.fairshare import PathGroup, max_min_rates
 from hkvsim.fabric.profile import FabricProfile
 from hkvsim.fabric.topology import Endpoint, route
 
@@ -57,7 +56,7 @@ class FabricError(ValueError):
     """A transfer, notification or handshake the fabric cannot route or accept."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TransferTiming:
     """When each phase of one transfer happened, in simulated seconds.
 
@@ -93,7 +92,7 @@ class TransferTiming:
         return self.done - self.submitted
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LinkSegment:
     """A stretch of time during which ``link`` carried ``rate`` bytes/s over ``flows`` flows."""
 
@@ -114,34 +113,18 @@ class LinkSegment:
 
 
 class _Link:
-    """One direction of one port: its capacity, the flows on it and its open log segment."""
+    """One direction of one port: its capacity, the path groups crossing it and its open log
+    segment."""
 
-    __slots__ = ("name", "capacity", "flows", "seg_start", "seg_rate", "seg_flows")
+    __slots__ = ("name", "capacity", "groups", "seg_start", "seg_rate", "seg_flows")
 
     def __init__(self, name: str, capacity: float) -> None:
         self.name = name
         self.capacity = capacity
-        self.flows: dict[int, _Flow] = {}
+        self.groups: list[PathGroup] = []
         self.seg_start = 0.0
         self.seg_rate = 0.0
         self.seg_flows = 0
-
-
-class _Flow:
-    """One transfer's bytes in flight."""
-
-    __slots__ = ("fid", "links", "nbytes", "remaining", "rate", "wire_done")
-
-    def __init__(
-        self, fid: int, links: tuple[_Link, ...], nbytes: int, wire_done: simpy.Event
-    ) -> None:
-        self.fid = fid
-        self.links = links
-        self.nbytes = nbytes
-        self.remaining = float(nbytes)
-        self.rate = 0.0
-        self.wire_done = wire_done
-
 
 def _count(name: str, value: Any) -> int:
     try:
@@ -179,12 +162,14 @@ class Fabric:
                     f"placement[{key!r}] = {ep}: gpu index must be in 0..{profile.gpus_per_node - 1}"
                 )
         self._links: dict[str, _Link] = {}
-        self._flows: dict[int, _Flow] = {}
+        self._groups: dict[tuple[_Link, ...], PathGroup] = {}
+        self._active: dict[PathGroup, None] = {}  # groups with flows, in first-use order
+        self._routes: dict[tuple[Hashable, Hashable], tuple[tuple[_Link, ...], float]] = {}
         self._posting: dict[Endpoint, simpy.Resource] = {}
-        self._fids = count()
+        self._fid = 0
+        self._nflows = 0
         self._last_update = env.now
         self._timer_gen = 0
-        self._due: frozenset[int] = frozenset()
         self.link_log: list[LinkSegment] = []
 
     # ----------------------------------------------------------------- routing
@@ -201,7 +186,13 @@ class Fabric:
 
     def _route(self, src: Hashable, dst: Hashable) -> tuple[tuple[_Link, ...], float]:
         """The links of ``src -> dst`` and the delay from wire end to a transfer's completion
-        (path latency + the profile's completion overhead); see topology.route."""
+        (path latency + the profile's completion overhead); cached per pair."""
+        cached = self._routes.get((src, dst))
+        if cached is None:
+            cached = self._routes[(src, dst)] = self._new_route(src, dst)
+        return cached
+
+    def _new_route(self, src: Hashable, dst: Hashable) -> tuple[tuple[_Link, ...], float]:
         r = route(self.profile, self.endpoint(src), self.endpoint(dst))
         return tuple(self._link(n, c) for n, c in r.links), r.latency + r.completion
 
@@ -262,7 +253,7 @@ class Fabric:
     @property
     def active_flows(self) -> int:
         """Number of flows currently on the wire."""
-        return len(self._flows)
+        return self._nflows
 
     def link_segments(self) -> list[LinkSegment]:
         """``link_log`` plus the segments still open at ``env.now`` (truncated there)."""
@@ -300,7 +291,7 @@ class Fabric:
         wire_start = env.now
         if nbytes > 0:
             wire_done = env.event()
-            self._start_flow(_Flow(next(self._fids), links, nbytes, wire_done))
+            self._start_flow(links, nbytes, wire_done)
             yield wire_done
         wire_end = env.now
         yield env.timeout(latency)
@@ -316,59 +307,50 @@ class Fabric:
             path=tuple(link.name for link in links),
         )
 
-    def _start_flow(self, flow: _Flow) -> None:
+    # Flows on the same path (the same links) always get the same max-min fair rate, so the
+    # fabric keeps one PathGroup per path: its per-flow rate, a served-bytes clock (bytes each of
+    # its flows has received since the group was created) and a heap of its flows' finish
+    # values on that clock. A flow start or end costs O(log n) in the heap plus O(G * L) for the
+    # G active paths over L links (bounded by the deployment, not by the flows in flight).
+
+    def _start_flow(self, links: tuple[_Link, ...], nbytes: int, wire_done: simpy.Event) -> None:
         self._advance()
-        self._flows[flow.fid] = flow
-        for link in flow.links:
-            link.flows[flow.fid] = flow
+        group = self._groups.get(links)
+        if group is None:
+            group = self._groups[links] = PathGroup(links)
+            for link in links:
+                link.groups.append(group)
+        if group not in self._active:
+            self._active[group] = None
+        group.push(self._fid, nbytes, wire_done)
+        self._fid += 1
+        self._nflows += 1
         self._reallocate()
 
     def _advance(self) -> None:
-        """Move every active flow's remaining bytes forward to ``env.now`` at current rates."""
+        """Move every active path's served-bytes clock forward to ``env.now``."""
         now = self.env.now
         dt = now - self._last_update
         if dt > 0:
-            for flow in self._flows.values():
-                flow.remaining -= flow.rate * dt
+            for group in self._active:
+                group.served += group.rate * dt
         self._last_update = now
 
     def _reallocate(self) -> None:
-        """Max-min fair rates by progressive filling, then log rates and re-arm the timer."""
-        cap: dict[_Link, float] = {}
-        unfrozen: dict[_Link, int] = {}
-        for flow in self._flows.values():
-            for link in flow.links:
-                cap.setdefault(link, link.capacity)
-                unfrozen[link] = unfrozen.get(link, 0) + 1
-        frozen: set[int] = set()
-        while unfrozen:
-            best: _Link | None = None
-            best_share = math.inf
-            for link, n in unfrozen.items():
-                share = cap[link] / n
-                if share < best_share:
-                    best, best_share = link, share
-            assert best is not None
-            for flow in best.flows.values():
-                if flow.fid in frozen:
-                    continue
-                frozen.add(flow.fid)
-                flow.rate = best_share
-                for link in flow.links:
-                    cap[link] -= best_share
-                    unfrozen[link] -= 1
-                    if unfrozen[link] == 0:
-                        del unfrozen[link]
+        """Max-min fair rates per path (progressive filling), then log rates and re-arm."""
+        max_min_rates(self._active)
         self._log_rates()
         self._arm_timer()
 
     def _log_rates(self) -> None:
         now = self.env.now
         for link in self._links.values():
-            if not link.flows and link.seg_rate == 0:
-                continue
-            rate = sum(f.rate for f in link.flows.values())
-            nflows = len(link.flows)
+            nflows = 0
+            rate = 0.0
+            for g in link.groups:
+                if g.n:
+                    nflows += g.n
+                    rate += g.rate * g.n
             if rate == link.seg_rate and nflows == link.seg_flows:
                 continue
             if link.seg_rate > 0 and now > link.seg_start:
@@ -380,14 +362,15 @@ class Fabric:
             link.seg_start, link.seg_rate, link.seg_flows = now, rate, nflows
 
     def _arm_timer(self) -> None:
-        """Replace the single completion timer with one for the earliest finishing flow(s)."""
+        """Replace the single completion timer with one for the earliest finishing flow(s);
+        flows finishing within a relative ``_TIE_REL`` of it are due with it."""
         self._timer_gen += 1
-        if not self._flows:
-            self._due = frozenset()
+        if not self._nflows:
             return
-        finish = {fid: max(f.remaining, 0.0) / f.rate for fid, f in self._flows.items()}
-        first = min(finish.values())
-        self._due = frozenset(fid for fid, t in finish.items() if t <= first * (1 + _TIE_REL))
+        first = min(g.time_to_first() for g in self._active)
+        slack = first * (1 + _TIE_REL)
+        for g in self._active:
+            g.due_limit = g.served + g.rate * slack
         gen = self._timer_gen
         timer = self.env.timeout(first)
         timer.callbacks.append(lambda _ev: self._on_timer(gen))
@@ -396,17 +379,14 @@ class Fabric:
         if gen != self._timer_gen:
             return  # disarmed: a flow started or ended since this timer was set
         self._advance()
-        done = [
-            f
-            for fid, f in self._flows.items()
-            if fid in self._due or f.remaining <= _DONE_REL * f.nbytes
-        ]
-        for flow in done:
-            del self._flows[flow.fid]
-            for link in flow.links:
-                del link.flows[flow.fid]
-            flow.remaining = 0.0
-            flow.rate = 0.0
+        done: list[tuple[int, simpy.Event]] = []
+        for group in list(self._active):
+            group.pop_done(_DONE_REL, done)
+            if not group.n:
+                del self._active[group]
+                group.reset()
+        self._nflows -= len(done)
         self._reallocate()
-        for flow in done:
-            flow.wire_done.succeed()
+        done.sort(key=operator.itemgetter(0))  # wake flows in start order
+        for _, event in done:
+            event.succeed()

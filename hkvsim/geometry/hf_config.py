@@ -7,7 +7,7 @@ other field is ignored. Every problem (unreadable file, bad JSON, unknown archit
 mistyped field, inconsistent layer lists) is one :class:`HFConfigError` line that names the file.
 
 dtype: ``torch_dtype`` (or ``dtype``) sets the attention cache dtype and the conv state dtype;
-the recurrent state stays float32 (DOMAIN.md §2.3: adopt fp32). Default bfloat16.
+the recurrent state stays float32 (docs/semantics.md §2.3: adopt fp32). Default bfloat16.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Per-engine, per-rank cache layout: kernel/logical blocks, page unification, HMA groups,
-shared tensors and registered regions (DOMAIN.md §2.2, §3.1-3.2).
+shared tensors and registered regions (docs/semantics.md §2.2, §3.1-3.2).
 
 Everything here is a pure function of (model, engine settings). The result is the ground truth of
 *where the cache lives*; the connector derives descriptors from the region records, the oracle
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 from .specs import GeometryError, ModelSpec, Sharding
@@ -44,7 +45,7 @@ class HMAGroup:
 
 @dataclass(frozen=True, kw_only=True)
 class Region:
-    """One registered range per distinct tensor base (DOMAIN.md §3.1)."""
+    """One registered range per distinct tensor base (docs/semantics.md §3.1)."""
 
     tensor: int  # shared tensor index (its base is the rank's base + tensor_offset)
     tensor_offset: int  # byte offset of the tensor within the rank's cache allocation
@@ -93,40 +94,40 @@ class EngineLayout:
     registration_order: tuple[int, ...] = field(repr=False)
 
     # ---- derived facts -------------------------------------------------------------------
-    @property
+    @cached_property
     def num_kernel_blocks(self) -> int:
         return self.num_logical_blocks * self.physical_blocks_per_logical
 
-    @property
+    @cached_property
     def num_tensors(self) -> int:
         return len(self.tensor_layers)
 
-    @property
+    @cached_property
     def tensor_bytes(self) -> int:
         return self.num_logical_blocks * self.unified_page_bytes
 
-    @property
+    @cached_property
     def tensor_stride(self) -> int:
         """Byte distance between consecutive tensors in a rank's allocation."""
         return -(-self.tensor_bytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return self.num_tensors * self.tensor_stride
 
-    @property
+    @cached_property
     def is_hybrid(self) -> bool:
         return self.model.is_hybrid
 
-    @property
+    @cached_property
     def state_pad_bytes(self) -> int:
         return self.unified_page_bytes - self.state_page_bytes if self.is_hybrid else 0
 
-    @property
+    @cached_property
     def attention_groups(self) -> tuple[HMAGroup, ...]:
         return tuple(g for g in self.groups if g.kind == "attention")
 
-    @property
+    @cached_property
     def state_groups(self) -> tuple[HMAGroup, ...]:
         return tuple(g for g in self.groups if g.kind == "state")
 
@@ -135,7 +136,7 @@ class EngineLayout:
         """Regions with an attention view (every region of a hybrid model: they are shared)."""
         return self.regions
 
-    @property
+    @cached_property
     def state_regions(self) -> tuple[Region, ...]:
         if not self.is_hybrid:
             return ()
@@ -158,7 +159,7 @@ class EngineLayout:
         """Logical blocks an allocation of ``tokens`` tokens needs."""
         return -(-tokens // self.logical_block_size)
 
-    @property
+    @cached_property
     def ssm_sizes(self) -> tuple[int, int]:
         """(conv_bytes, recurrent_bytes) on this rank; (0, 0) without state (handshake field)."""
         if not self.is_hybrid:
@@ -191,7 +192,7 @@ class EngineLayout:
 
 
 def unify_pages(model: ModelSpec, tp: int, requested_block_size: int) -> tuple[int, int]:
-    """(kernel_block_size, logical_block_size) after mamba page unification (DOMAIN.md §2.2).
+    """(kernel_block_size, logical_block_size) after mamba page unification (docs/semantics.md §2.2).
 
     Without state the logical block is the requested block size. With state the attention
     logical block is raised to align * ceil(mamba_page / (align * attn_bytes_per_token)) with
@@ -278,12 +279,12 @@ def register_regions(
     num_logical_blocks: int,
     first_registration_wins: bool = False,
 ) -> tuple[Region, ...]:
-    """Walk the layers and build one region per distinct tensor base (DOMAIN.md §3.1-3.2).
+    """Walk the layers and build one region per distinct tensor base (docs/semantics.md §3.1-3.2).
 
     The #49762 merge: when a layer aliases a base already seen, ``is_mla`` is OR-ed over every
     alias, an attention alias's block geometry (kernel block_len, stride, kernel count) replaces a
     state view's, and differing group ids become -1. The result is independent of the walk order.
-    (DOMAIN.md names only MLA aliases as replacing; any attention alias does here, so GQA hybrids
+    (docs/semantics.md names only MLA aliases as replacing; any attention alias does here, so GQA hybrids
     are order-independent too: with first-wins their stride would depend on the walk.)
 
     ``first_registration_wins`` replays the pre-#49762 bug: later aliases are skipped, so a
@@ -334,7 +335,7 @@ def register_regions(
 
 def _check_regions(layout_model: ModelSpec, regions: Sequence[Region], *, ppl: int,
                    num_kernel_blocks: int) -> None:
-    """Registration-time checks (DOMAIN.md §3.1 step 5)."""
+    """Registration-time checks (docs/semantics.md §3.1 step 5)."""
     sizes = {r.tensor_bytes for r in regions if not r.is_mla}
     if len(sizes) > 1:
         raise GeometryError(f"non-MLA tensors differ in total size: {sorted(sizes)}")

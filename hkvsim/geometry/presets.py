@@ -1,6 +1,6 @@
 """Named model presets: the four reference models and small ``tiny-*`` twins.
 
-Real presets use the public configs' values (DOMAIN.md §2.3-2.4; the HF fixtures under
+Real presets use the public configs' values (docs/semantics.md §2.3-2.4; the HF fixtures under
 ``tests/fixtures/hf`` hold the same numbers and a test checks both agree).
 
 Tiny twins keep every structural feature of their big model while staying small enough for the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import Literal
 
 __all__ = [
@@ -53,7 +54,7 @@ def dtype_bytes(dtype: str) -> int:
 
 
 class Sharding(str, Enum):
-    """How an attention region's block is divided over TP ranks (DOMAIN.md §1)."""
+    """How an attention region's block is divided over TP ranks (docs/semantics.md §1)."""
 
     REPLICATE = "replicate"  # MLA latent: every rank holds the whole block
     SPLIT = "split"  # GQA/MHA: every rank holds a slice of the heads
@@ -87,7 +88,7 @@ class AttentionBackend:
         return requested
 
 
-# A registry, not an if-chain. Kernel facts: FlashMLA pages are 64 tokens (DOMAIN.md §1);
+# A registry, not an if-chain. Kernel facts: FlashMLA pages are 64 tokens (docs/semantics.md §1);
 # FlashAttention / Triton take any multiple of 16.
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
@@ -135,7 +136,7 @@ class MLAAttentionSpec:
 
     The latent is identical on every rank (REPLICATE), so bytes per token do not depend on TP.
     ``cache_dtype="fp8_ds_mla"`` is DeepSeek's packed FP8 format: 512 fp8 latent + 4 fp32 scales +
-    64 bf16 rope = 656 B per token (DOMAIN.md §2.4: 40,016 B/token over 61 layers).
+    64 bf16 rope = 656 B per token (docs/semantics.md §2.4: 40,016 B/token over 61 layers).
     """
 
     kv_lora_rank: int
@@ -257,15 +258,15 @@ class StateSpec:
         dtype_bytes(self.conv_dtype)
         dtype_bytes(self.recurrent_dtype)
 
-    @property
+    @cached_property
     def conv_rows(self) -> int:
         return self.conv_kernel - 1
 
-    @property
+    @cached_property
     def num_conv_subprojections(self) -> int:
         return len(self.conv_subprojections)
 
-    @property
+    @cached_property
     def subregion_names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.conv_subprojections) + ("recurrent",)
 
@@ -294,7 +295,7 @@ class StateSpec:
     def conv_bytes(self, tp: int) -> int:
         return sum(self.conv_subprojection_bytes(tp))
 
-    @property
+    @cached_property
     def recurrent_head_bytes(self) -> int:
         return math.prod(self.recurrent_head_shape) * dtype_bytes(self.recurrent_dtype)
 
@@ -387,18 +388,18 @@ class ModelSpec:
                 f"neither attention nor state (give a state spec or list every layer as attention)"
             )
 
-    @property
+    @cached_property
     def state_layers(self) -> tuple[int, ...]:
         if self.state is None:
             return ()
         attn = set(self.attention_layers)
         return tuple(i for i in range(self.num_layers) if i not in attn)
 
-    @property
+    @cached_property
     def is_hybrid(self) -> bool:
         return bool(self.state_layers)
 
-    @property
+    @cached_property
     def is_mla(self) -> bool:
         return self.attention.is_mla
 

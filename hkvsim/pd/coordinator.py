@@ -572,7 +572,7 @@ class Coordinator:
     # ---- prefill ----------------------------------------------------------------------------
     def _prefill(self, req: _Request, prefill: _Engine, *, finish_normally: bool = True) -> Flow:
         """Allocate, compute (write the pattern) and finish under a lease. Models with state
-        compute N-1 tokens (DOMAIN.md §6); the others all N."""
+        compute N-1 tokens (docs/semantics.md §6); the others all N."""
         rec = req.rec
         n_tokens = self.dep.prefill_tokens(rec.prompt_tokens)
         layout = prefill.layout
@@ -607,7 +607,7 @@ class Coordinator:
 
     def _lease(self, key: tuple[str, str], hold: _Hold) -> Flow:
         """Prefill holds a finished request's blocks until its notifications arrive or the
-        lease deadline passes; decode's heartbeats move the deadline (DOMAIN.md §9.1)."""
+        lease deadline passes; decode's heartbeats move the deadline (docs/semantics.md §9.1)."""
         assert hold.released is not None
         while True:
             timer = self.sched.at(hold.deadline)
@@ -708,7 +708,7 @@ class Coordinator:
 
     def _evict_stale(self, local: _Engine) -> Flow:
         """Evict remote engines idle past the TTL; checked only when a new handshake starts, so a
-        fixed pair never evicts a dead peer (DOMAIN.md §9.4)."""
+        fixed pair never evicts a dead peer (docs/semantics.md §9.4)."""
         ttl = self.scenario.connector.engine_ttl_seconds
         for remote, last in list(local.last_used.items()):
             event = local.connections.get(remote)
@@ -722,7 +722,7 @@ class Coordinator:
     def _pull(self, req: _Request, prefill: _Engine, decode: _Engine, p_rid: str,
               p_blocks: dict[int, np.ndarray], job: DecodeJob, *,
               abort_mid_transfer: bool = False) -> Flow:
-        """Pull (DOMAIN.md §8.1); returns None on success, else (failure class, reason).
+        """Pull (docs/semantics.md §8.1); returns None on success, else (failure class, reason).
 
         ``abort_mid_transfer``: decode abandons the request right after posting; its handles
         are released only once terminal (DMA may be live), so its blocks wait for them."""
@@ -801,7 +801,7 @@ class Coordinator:
     def _push(self, req: _Request, prefill: _Engine, decode: _Engine, p_rid: str,
               p_blocks: dict[int, np.ndarray], job: DecodeJob, *,
               abort_mid_transfer: bool = False) -> Flow:
-        """Push (DOMAIN.md §8.2): decode registers its blocks with every prefill rank; prefill
+        """Push (docs/semantics.md §8.2): decode registers its blocks with every prefill rank; prefill
         matches the registration to its finished request (either order), runs the reverse
         handshake and WRITEs; decode counts max(1, P_TP // D_TP) notifications per rank."""
         rec = req.rec
@@ -963,7 +963,7 @@ class Coordinator:
     def _on_push_notification(self, decode: _Engine, rank: int, rid: str, sender_world: int
                               ) -> bool:
         """Decode counts "{D_request_id}:{P_world_size}"; each rank expects
-        max(1, P_TP // D_TP) (DOMAIN.md §8.2)."""
+        max(1, P_TP // D_TP) (docs/semantics.md §8.2)."""
         wait = self._push_waiters.get(rid)
         if wait is None:
             return False
@@ -1086,7 +1086,7 @@ class Coordinator:
                  failure: tuple[str, str], prefill: _Engine, p_rid: str) -> Flow:
         """kv_load_failure_policy = "recompute": decode recomputes the request itself. With HMA
         no invalid blocks are reported, and state cannot be re-zeroed, so the whole request is
-        recomputed (DOMAIN.md §9.3)."""
+        recomputed (docs/semantics.md §9.3)."""
         rec = req.rec
         if self.scenario.connector.kv_load_failure_policy != "recompute":
             return False
@@ -1167,7 +1167,7 @@ class Coordinator:
 
     def _post_process(self, prefill: _Engine, decode: _Engine, job: DecodeJob) -> Flow:
         """Block-size-ratio post-processing on every decode rank: zero the untransferred
-        sub-block tail, then regroup heads (DOMAIN.md §6)."""
+        sub-block tail, then regroup heads (docs/semantics.md §6)."""
         layout = decode.layout
         bsr = layout.kernel_block_size // prefill.layout.kernel_block_size
         if bsr == 1 or not self.verify or job.recomputed:

@@ -182,7 +182,7 @@ def engine_pool_blocks(scenario: Any, role: str, probe: EngineLayout, prompts: n
 def freed_while_reading(engine_id: str, block_version: np.ndarray,
                         blocks: dict[int, np.ndarray], versions: dict[int, np.ndarray]
                         ) -> tuple[str, str] | None:
-    """The early-free race (DOMAIN.md §9.5 scenario 10): prefill freed (and maybe reused)
+    """The early-free race (docs/semantics.md §9.5 scenario 10): prefill freed (and maybe reused)
     blocks before decode finished reading them. Detected by version stamps, so it is a failure
     even when the stale bytes happen to still be right."""
     for group, ids in blocks.items():

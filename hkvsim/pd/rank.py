@@ -143,10 +143,12 @@ class RankExecutor:
         self.worker.evict(op.engine)
 
     # ---- events ---------------------------------------------------------------------------
-    def poll(self) -> list[RankEvent]:
+    def poll(self, finished: list[int] | None = None) -> list[RankEvent]:
         """What happened on this rank since the last poll: transfers that reached a terminal
-        state, messages that arrived, handles released late (in that order)."""
-        events: list[RankEvent] = [Outcome(self.rank, o) for o in self.worker.poll()]
+        state, messages that arrived, handles released late (in that order). ``finished``: the
+        transfer handles that reached a terminal state, when the transport tells (else every
+        request in flight is checked)."""
+        events: list[RankEvent] = [Outcome(self.rank, o) for o in self.worker.poll(finished)]
         events += [Message(self.rank, m) for m in self.worker.take_messages()]
         events += [Released(self.rank, rid) for rid in self.worker.take_released()]
         return events

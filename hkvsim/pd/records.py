@@ -80,6 +80,8 @@ class RunResult:
     warnings: list[str] = field(default_factory=list)  # e.g. prefix hits rounded down
     verified: bool = False  # the oracle checked every completed request's bytes
     backend: str = "sim"  # "sim": sim_seconds is simulated time; any other: wall-clock time
+    # whose connector ran, when not hkvsim's own: {"name": "vllm", "version": "0.33.0"}
+    implementation: dict[str, str] = field(default_factory=dict)
 
     @property
     def hung(self) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 __all__ = ["DONE", "PROC", "ERR", "MEM_TYPES", "TransportError", "Memory", "XferTelemetry",
            "Transport", "AgentAnnouncement", "PeerRegistrations", "check_descriptor_array",
            "check_handle", "check_mem_type", "check_paired_ids", "check_prep_descriptors",
-           "check_strided_array", "registration_problem",
+           "check_strided_array", "registration_problem", "PairedDescriptors", "pair_descriptors",
            "decode_agent_metadata", "encode_agent_metadata", "expand_strided", "overlapping"]
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
@@ -92,7 +92,7 @@ def _ids(ids: Any, *, what: str, side: str) -> np.ndarray:
 def check_descriptor_array(descs: np.ndarray, *, what: str = "descriptor list") -> np.ndarray:
     """Validate an (N, 3) (addr, len, device) array before it reaches a transport.
 
-    NIXL returns None on malformed input (DOMAIN.md §11.4 hazard 3); we refuse it loudly.
+    NIXL returns None on malformed input (docs/semantics.md §11.4 hazard 3); we refuse it loudly.
     """
     arr = np.asarray(descs)
     if arr.ndim != 2 or arr.shape[1] != 3:
@@ -107,7 +107,7 @@ def check_descriptor_array(descs: np.ndarray, *, what: str = "descriptor list") 
 
 def check_strided_array(descs: np.ndarray, *, what: str = "strided descriptor list") -> np.ndarray:
     """Validate an (N, 5) strided array: rows (addr, len, dev, stride, count) naming ``count``
-    runs of ``len`` bytes at ``addr + i * stride`` (NIXL PR #1978; DOMAIN.md §11.3 item 4).
+    runs of ``len`` bytes at ``addr + i * stride`` (NIXL PR #1978; docs/semantics.md §11.3 item 4).
     ``count`` >= 1, and ``stride`` >= ``len`` wherever count > 1 (runs never overlap)."""
     arr = np.asarray(descs)
     if arr.ndim != 2 or arr.shape[1] != 5:
@@ -253,7 +253,7 @@ def overlapping(descs: np.ndarray, ranges: np.ndarray) -> bool:
 class PeerRegistrations:
     """The memory every remote agent announced as registered (its latest agent metadata).
 
-    NIXL keeps accepting transfers into memory its peer has deregistered (DOMAIN.md §11.4
+    NIXL keeps accepting transfers into memory its peer has deregistered (docs/semantics.md §11.4
     hazard 2): the WRITE is DONE and lands. Both transports consult this ledger instead:
     a remote list, or a transfer, must lie inside what the peer announced, and when a newer
     announcement withdraws a range, every list over it goes stale.
@@ -302,6 +302,47 @@ def registration_problem(descs: np.ndarray, ranges: np.ndarray, *, whose: str) -
     return (f"descriptor {i} ({int(descs[i, 0]):#x}, {int(descs[i, 1])} B, device "
             f"{int(descs[i, 2])}) is outside {whose} "
             f"(registered: {listed}{', ...' if ranges.shape[0] > 4 else ''})")
+
+
+@dataclass(frozen=True)
+class PairedDescriptors:
+    """Both sides of a non-prepped transfer, checked: (N, 3) rows that pair one to one, with the
+    strided (N, 5) rows they were expanded from when the caller gave strided rows."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    local_strided: np.ndarray | None = None
+    remote_strided: np.ndarray | None = None
+
+
+def pair_descriptors(local_descs: Any, remote_descs: Any, *, what: str) -> PairedDescriptors:
+    """The one check of a non-prepped transfer's descriptors (NIXL ``initialize_xfer``), for
+    every transport: two (N, 3) arrays, or two (N, 5) strided arrays with the same run lengths
+    and counts; the pairs have equal lengths and none is zero-length."""
+    la, ra = np.asarray(local_descs), np.asarray(remote_descs)
+    lrows = rrows = None
+    if la.ndim == 2 and la.shape[1] == 5:
+        lrows = np.ascontiguousarray(check_strided_array(la, what=f"{what}: local"))
+        rrows = np.ascontiguousarray(check_strided_array(ra, what=f"{what}: remote"))
+        if lrows.shape != rrows.shape or not np.array_equal(lrows[:, [1, 4]], rrows[:, [1, 4]]):
+            raise TransportError(f"{what}: strided rows differ in number, length or count "
+                                 f"between the local and the remote side")
+        ld, rd = expand_strided(lrows), expand_strided(rrows)
+    else:
+        ld = np.ascontiguousarray(check_descriptor_array(la, what=f"{what}: local"),
+                                  dtype=np.uint64)
+        rd = np.ascontiguousarray(check_descriptor_array(ra, what=f"{what}: remote"),
+                                  dtype=np.uint64)
+        if ld.shape != rd.shape:
+            raise TransportError(f"{what}: local and remote descriptor lists differ in "
+                                 f"length ({ld.shape[0]} vs {rd.shape[0]})")
+        if not np.array_equal(ld[:, 1], rd[:, 1]):
+            i = int(np.flatnonzero(ld[:, 1] != rd[:, 1])[0])
+            raise TransportError(f"{what}: descriptor pair {i} has local length "
+                                 f"{int(ld[i, 1])} but remote length {int(rd[i, 1])}")
+    if ld.shape[0] and (ld[:, 1] == 0).any():
+        raise TransportError(f"{what}: a descriptor has length 0")
+    return PairedDescriptors(local=ld, remote=rd, local_strided=lrows, remote_strided=rrows)
 
 
 def check_prep_descriptors(descs: np.ndarray, *, what: str) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 A thin, hardened adapter. The connector core only ever hands it int handles; the NIXL handle
 objects stay in here, next to our own ledger of what is registered, prepared, posted and
-released, so that the hazards of NIXL's Python API (DOMAIN.md §11.4) become loud, readable
+released, so that the hazards of NIXL's Python API (docs/semantics.md §11.4) become loud, readable
 ``TransportError``\\ s instead of segfaults, silent writes or bare status codes:
 
 1. ``transfer()`` on a released handle segfaults and ``check_xfer_state`` on one says "DONE":
@@ -70,6 +70,7 @@ from .base import (
     encode_agent_metadata,
     expand_strided,
     overlapping,
+    pair_descriptors,
     registration_problem,
 )
 from .memory import lazy_buffer
@@ -505,30 +506,9 @@ class NixlTransport:
         what = f"{self.name}: {op} (non-prepped) with {remote_agent}"
         if remote_agent not in self._remotes:
             raise TransportError(f"{what}: unknown remote agent (add_remote_agent first)")
-        la, ra = np.asarray(local_descs), np.asarray(remote_descs)
-        strided = la.ndim == 2 and la.shape[1] == 5
-        if strided:
-            lrows = np.ascontiguousarray(check_strided_array(la, what=f"{what}: local"))
-            rrows = np.ascontiguousarray(check_strided_array(ra, what=f"{what}: remote"))
-            if lrows.shape != rrows.shape or not np.array_equal(lrows[:, [1, 4]],
-                                                                rrows[:, [1, 4]]):
-                raise TransportError(f"{what}: strided rows differ in number, length or count "
-                                     f"between the local and the remote side")
-            ld, rd = expand_strided(lrows), expand_strided(rrows)
-        else:
-            ld = np.ascontiguousarray(check_descriptor_array(la, what=f"{what}: local"),
-                                      dtype=np.uint64)
-            rd = np.ascontiguousarray(check_descriptor_array(ra, what=f"{what}: remote"),
-                                      dtype=np.uint64)
-            if ld.shape != rd.shape:
-                raise TransportError(f"{what}: local and remote descriptor lists differ in "
-                                     f"length ({ld.shape[0]} vs {rd.shape[0]})")
-            if not np.array_equal(ld[:, 1], rd[:, 1]):
-                i = int(np.flatnonzero(ld[:, 1] != rd[:, 1])[0])
-                raise TransportError(f"{what}: descriptor pair {i} has local length "
-                                     f"{int(ld[i, 1])} but remote length {int(rd[i, 1])}")
-        if ld.shape[0] and (ld[:, 1] == 0).any():
-            raise TransportError(f"{what}: a descriptor has length 0")
+        pairs = pair_descriptors(local_descs, remote_descs, what=what)
+        ld, rd, lrows, rrows = pairs.local, pairs.remote, pairs.local_strided, pairs.remote_strided
+        strided = lrows is not None
         memory, problem = self._registered(ld)
         if problem is not None:
             raise TransportError(f"{what}: local side: {problem}")
@@ -538,7 +518,7 @@ class NixlTransport:
         kind = memory.mem_type if memory is not None else self._default_mem_type()
         local = _DList(agent="", descs=ld, handle=None, mem_type=kind, memory=memory)
         remote = _DList(agent=remote_agent, descs=rd, handle=None, mem_type=kind)
-        x = _Xfer(op=op, local=local, remote=remote, n_desc=int(la.shape[0]),
+        x = _Xfer(op=op, local=local, remote=remote, n_desc=int((lrows if strided else ld).shape[0]),
                   nbytes=int(ld[:, 1].sum()) if ld.size else 0, notif=bytes(notif),
                   owned=(local, remote))
         if ld.shape[0]:

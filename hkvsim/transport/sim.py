@@ -39,6 +39,7 @@ from .base import (
     encode_agent_metadata,
     expand_strided,
     overlapping,
+    pair_descriptors,
     registration_problem,
 )
 from .coalesce import coalesced_count, coalesces
@@ -50,7 +51,7 @@ _NO_IDS = np.zeros(0, dtype=np.int64)
 _ADDRESS_SPACE = 1 << 44  # each agent's memory lives in its own synthetic 16 TiB window
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Xfer:
     op: str
     local: "_DList"
@@ -70,9 +71,11 @@ class _Xfer:
     owner: Any = None  # SimWorld.post_owner when the transfer was created (who it is for)
     stray: bool = False  # the landing guard found it aimed at blocks its owner does not hold
     coalesced: int = 0  # descriptors after NIXL's coalescing: what posting is charged for
+    handle: int = 0
+    landing: Any = None  # (destination agent, addrs, lengths, guard memo) from the posting check
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _DList:
     agent: str
     descs: np.ndarray
@@ -105,13 +108,14 @@ class SimWorld:
         # Who transfers created now are for (the driver sets it around a post; e.g. a request
         # index), and a check of a transfer's destination blocks, called when it is posted
         # (landed=False) and when its bytes land (landed=True):
-        # guard(destination agent, absolute addresses, lengths, owner, landed) -> True when some
-        # destination block is not its owner's. The driver uses it to flag transfers aimed at
+        # guard(destination agent, absolute addresses, lengths, owner, landed, memo=dict) -> True
+        # when some destination block is not its owner's (memo: the same dict at posting and at
+        # landing of one transfer, for what the guard derives from the fixed addresses). The driver uses it to flag transfers aimed at
         # blocks their request does not hold (stray writes) and bytes landing in blocks their
         # request no longer holds (late landings).
         self.post_owner: Any = None
         self.on_death: Callable[[str], None] | None = None  # called with the agent that died
-        self.landing_guard: Callable[[str, np.ndarray, np.ndarray, Any, bool], bool] | None = None
+        self.landing_guard: Callable[..., bool] | None = None
 
     def create_agent(self, name: str, endpoint: Hashable) -> "SimTransport":
         if name in self._agents:
@@ -203,6 +207,7 @@ class SimTransport:
         self._remotes: set[str] = set()
         self._peers = PeerRegistrations()
         self._sizes: dict[int, int] = {}
+        self._finished: list[int] = []  # handles that left PROC since take_finished()
 
     # ---- memory --------------------------------------------------------------------------
     def allocate(self, nbytes: int, *, mem_type: str = "VRAM", device_id: int = 0) -> Memory:
@@ -319,7 +324,8 @@ class SimTransport:
         self._xfers[handle] = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
                                     notif=bytes(notif), nbytes=nbytes, owner=self.world.post_owner,
                                     coalesced=coalesced_count(local.descs[li], remote.descs[ri])
-                                    if coalesces("prepped") else int(li.size))
+                                    if coalesces("prepped") else int(li.size),
+                                    handle=handle)
         return handle
 
     def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
@@ -327,33 +333,15 @@ class SimTransport:
         """Non-prepped transfer (NIXL ``initialize_xfer``) from explicit (N, 3) descriptors, or
         (N, 5) strided rows, on both sides. Posting is charged per run (each row of an (N, 3)
         array, each of the ``count`` runs of a strided row): on the CPU VM strided lists cut
-        prep time but not post time (DOMAIN.md §10). Telemetry reports the rows posted."""
+        prep time but not post time (docs/semantics.md §10). Telemetry reports the rows posted."""
         if op not in OPS:
             raise TransportError(f"{self.name}: unknown op {op!r}; allowed: {', '.join(OPS)}")
         if remote_agent not in self._remotes:
             raise TransportError(f"{self.name}: make_xfer to unknown remote agent "
                                  f"{remote_agent!r} (add_remote_agent first)")
-        la, ra = np.asarray(local_descs), np.asarray(remote_descs)
-        if la.ndim == 2 and la.shape[1] == 5:
-            lrows = check_strided_array(la, what=f"{self.name}: make_xfer local")
-            rrows = check_strided_array(ra, what=f"{self.name}: make_xfer remote")
-            if lrows.shape != rrows.shape or not np.array_equal(lrows[:, [1, 4]],
-                                                                rrows[:, [1, 4]]):
-                raise TransportError(f"{self.name}: strided rows differ in number, length or "
-                                     f"count between the local and the remote side")
-            ld, rd = expand_strided(lrows), expand_strided(rrows)
-        else:
-            ld = check_descriptor_array(la, what=f"{self.name}: make_xfer local")
-            rd = check_descriptor_array(ra, what=f"{self.name}: make_xfer remote")
-            if ld.shape != rd.shape:
-                raise TransportError(f"{self.name}: local and remote descriptor lists differ in "
-                                     f"length ({ld.shape[0]} vs {rd.shape[0]})")
-            if not np.array_equal(ld[:, 1], rd[:, 1]):
-                i = int(np.flatnonzero(ld[:, 1] != rd[:, 1])[0])
-                raise TransportError(f"{self.name}: descriptor pair {i} has local length "
-                                     f"{int(ld[i, 1])} but remote length {int(rd[i, 1])}")
-        if ld.shape[0] and (ld[:, 1] == 0).any():
-            raise TransportError(f"{self.name}: make_xfer: a descriptor has length 0")
+        pairs = pair_descriptors(local_descs, remote_descs, what=f"{self.name}: make_xfer")
+        ld, rd = pairs.local, pairs.remote
+        rows = ld.shape[0] if pairs.local_strided is None else pairs.local_strided.shape[0]
         problem = self._own_registration_problem(ld)
         if problem is not None:
             raise TransportError(f"{self.name}: make_xfer local side: {problem}")
@@ -365,12 +353,13 @@ class SimTransport:
         self._xfers[handle] = _Xfer(op=op, local=_DList(agent=self.name, descs=ld), local_ids=ids,
                                     remote=_DList(agent=remote_agent, descs=rd), remote_ids=ids,
                                     notif=bytes(notif), nbytes=int(ld[:, 1].sum()),
-                                    rows=int(la.shape[0]), owner=self.world.post_owner,
+                                    rows=int(rows), owner=self.world.post_owner,
                                     # strided rows are prepared lists (coalesced); plain rows go
                                     # through initialize_xfer, which NIXL 1.5 does not coalesce
                                     coalesced=coalesced_count(ld, rd) if coalesces(
-                                        "prepped" if la.shape[1] == 5 else "non_prepped")
-                                    else int(ld.shape[0]))
+                                        "non_prepped" if pairs.local_strided is None else "prepped")
+                                    else int(ld.shape[0]),
+                                    handle=handle)
         return handle
 
     def _xfer(self, handle: int) -> _Xfer:
@@ -378,7 +367,7 @@ class SimTransport:
         if x is None:
             raise TransportError(f"{self.name}: unknown transfer handle {handle}")
         if x.released:
-            # Real NIXL segfaults here (DOMAIN.md §11.4 hazard 1); refuse instead.
+            # Real NIXL segfaults here (docs/semantics.md §11.4 hazard 1); refuse instead.
             raise TransportError(f"{self.name}: transfer handle {handle} was released")
         return x
 
@@ -438,6 +427,7 @@ class SimTransport:
         x.timing = timing
         if x.state == PROC:
             x.state, x.error = ERR, reason
+            self._finished.append(x.handle)
         self.world._wake(self.name)
 
     def _complete(self, x: _Xfer, timing: Any) -> None:
@@ -459,6 +449,7 @@ class SimTransport:
                 x.state = DONE
             except TransportError as exc:
                 x.state, x.error = ERR, str(exc)
+        self._finished.append(x.handle)
         if x.state == DONE and x.notif:
             self.world.send(self.name, remote.name, x.notif)
         self.world._wake(self.name)
@@ -468,13 +459,15 @@ class SimTransport:
         guard = self.world.landing_guard
         if guard is None or x.local_ids.size == 0:
             return False
-        if x.op == "READ":
-            dst, descs, ids = self.name, x.local.descs, x.local_ids
-        else:
-            dst, descs, ids = x.remote.agent, x.remote.descs, x.remote_ids
-        rows = descs[ids]
-        return bool(guard(dst, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64),
-                          x.owner, landed))
+        if x.landing is None:  # the destination runs are fixed once posted: derive them once
+            if x.op == "READ":
+                dst, descs, ids = self.name, x.local.descs, x.local_ids
+            else:
+                dst, descs, ids = x.remote.agent, x.remote.descs, x.remote_ids
+            rows = descs[ids]
+            x.landing = (dst, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64), {})
+        dst, addrs, lengths, memo = x.landing
+        return bool(guard(dst, addrs, lengths, x.owner, landed, memo=memo))
 
     def _move(self, x: _Xfer, me: _Agent, remote: _Agent) -> None:
         ld, rd = x.local.descs[x.local_ids], x.remote.descs[x.remote_ids]
@@ -488,6 +481,12 @@ class SimTransport:
         else:
             moved = copy_ranges(rmem.array, roff, lmem.array, loff, lengths)
         self.world.bytes_moved += moved
+
+    def take_finished(self) -> list[int]:
+        """Handles whose transfer reached DONE or ERR since the last call (event-driven
+        completion: a poller checks only these instead of every handle in flight)."""
+        out, self._finished = self._finished, []
+        return out
 
     def check_xfer_state(self, handle: int) -> str:
         x = self._xfer(handle)
@@ -517,6 +516,7 @@ class SimTransport:
         if x.rows is None:
             x.rows = int(x.local_ids.size)
         x.local_ids = x.remote_ids = _NO_IDS
+        x.landing = None
 
     def open_handles(self) -> int:
         return sum(1 for x in self._xfers.values() if not x.released)

@@ -1,5 +1,5 @@
 """Block-size ratio end to end (issue acceptance: "byte-exact with block_size_ratio 1, 2 and 4
-where the rules allow it"), DOMAIN.md §4.4 V2/V6/V10 and §6 (sub-block lists, clipping, tail
+where the rules allow it"), docs/semantics.md §4.4 V2/V6/V10 and §6 (sub-block lists, clipping, tail
 zeroing, head regrouping).
 
 Prefill runs block_size 16; decode 16, 32 or 64, so bsr = 1, 2 or 4.

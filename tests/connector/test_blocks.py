@@ -1,4 +1,4 @@
-"""DOMAIN.md §6 block-id handling and §7 pairing, with the reference vectors written out."""
+"""docs/semantics.md §6 block-id handling and §7 pairing, with the reference vectors written out."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DOMAIN.md §10 "Descriptors per request (pull)": KimiLinear, one 8,192-token request, through the
+"""docs/semantics.md §10 "Descriptors per request (pull)": KimiLinear, one 8,192-token request, through the
 whole cluster (scenario -> handshake -> pull). Counts and bytes written out from the table.
 
 Byte derivations (§2.3 sizes): attention descriptor = one MLA kernel page = 73,728 B; a state

@@ -1,4 +1,4 @@
-"""DOMAIN.md §3.4 descriptor ids (the reference table) and §3.3 list order on real layouts."""
+"""docs/semantics.md §3.4 descriptor ids (the reference table) and §3.3 list order on real layouts."""
 
 from __future__ import annotations
 

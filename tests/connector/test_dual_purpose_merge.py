@@ -1,4 +1,4 @@
-"""DOMAIN.md §3.1-3.3: registration, the #49762 dual-purpose merge, and the local list built on it."""
+"""docs/semantics.md §3.1-3.3: registration, the #49762 dual-purpose merge, and the local list built on it."""
 
 from __future__ import annotations
 

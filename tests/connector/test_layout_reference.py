@@ -1,4 +1,4 @@
-"""Geometry pinned to DOMAIN.md §2.3 / §2.4 reference values (all numbers written literally)."""
+"""Geometry pinned to docs/semantics.md §2.3 / §2.4 reference values (all numbers written literally)."""
 
 from __future__ import annotations
 

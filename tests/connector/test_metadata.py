@@ -1,4 +1,4 @@
-"""Handshake payload (DOMAIN.md §4.1-4.3, rule V8): round trip, hash-before-decode, strict fuzzing."""
+"""Handshake payload (docs/semantics.md §4.1-4.3, rule V8): round trip, hash-before-decode, strict fuzzing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Known connector bugs (hkvsim quirks, DOMAIN.md §3.2, §6, §7, §9.5) replayed end to end: each
+"""Known connector bugs (hkvsim quirks, docs/semantics.md §3.2, §6, §7, §9.5) replayed end to end: each
 one must be caught (never outcome "ok"), and the same scenario without the quirk is clean."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DOMAIN.md §5.3 remote attention descriptors and the §5.4 KimiLinear state-offset table,
+"""docs/semantics.md §5.3 remote attention descriptors and the §5.4 KimiLinear state-offset table,
 checked on real kimi-linear-48b layouts through remote_descriptors / split_descriptors."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DOMAIN.md §1 tp_ratio, §4.1 handshake targets, §5.1 source ranks, §5.2 split-handle rule."""
+"""docs/semantics.md §1 tp_ratio, §4.1 handshake targets, §5.1 source ranks, §5.2 split-handle rule."""
 
 from __future__ import annotations
 

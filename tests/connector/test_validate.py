@@ -1,4 +1,4 @@
-"""DOMAIN.md §4.4 validation rules: each failure is a HandshakeError naming the rule and both
+"""docs/semantics.md §4.4 validation rules: each failure is a HandshakeError naming the rule and both
 values; the valid pairs the rules must accept (GQA cap, KimiLinear hybrid V6)."""
 
 from __future__ import annotations

@@ -191,36 +191,3 @@ def test_cli_run_json(tmp_path) -> None:
     text = subprocess.run([sys.executable, "-m", "hkvsim.cli", "run", str(path), "--backend",
                            "nixl"], capture_output=True, text=True, cwd=ROOT, timeout=80).stdout
     assert "s (wall clock)" in text and "simulated" not in text
-
-
-@pytest.mark.timeout(120)
-def test_lab_launcher_two_node_agents_on_loopback(tmp_path) -> None:
-    """hardware/launch.py: a coordinator (with node 0's agent) and a second node agent, here
-    both on 127.0.0.1 with two rank slots each, so prefill runs on node 0 and decode on node 1."""
-    import os
-    import socket
-
-    path = tmp_path / "s.toml"
-    path.write_text(KIMI.format(mode="push", p=2, d=2))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HKVSIM_TOKEN": "test-token-123"}
-    launch = [sys.executable, str(ROOT / "hardware" / "launch.py")]
-    node1 = subprocess.Popen(launch + ["node", "--coordinator", f"127.0.0.1:{port}",
-                                       "--node-rank", "1", "--gpus", "2", "--log-dir",
-                                       str(tmp_path / "n1")], env=env, cwd=tmp_path,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out = subprocess.run(launch + ["coordinator", str(path), "--nodes", "2", "--bind",
-                                       "127.0.0.1", "--port", str(port), "--gpus", "2",
-                                       "--json", "--log-dir", str(tmp_path / "n0")],
-                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
-        agent_out, _ = node1.communicate(timeout=30)
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-    assert out.returncode == 0, out.stderr[-2000:]
-    data = json.loads(out.stdout)
-    assert data["outcome"] == "ok" and data["requests"]["byte_exact"] == 3
-    assert "decode0.0, decode0.1" in agent_out and node1.returncode == 0

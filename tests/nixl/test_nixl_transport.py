@@ -1,5 +1,5 @@
 """NixlTransport against real NIXL agents (two agents in this process, DRAM): the Transport
-protocol, and every DOMAIN.md §11.4 hazard turned into a readable TransportError."""
+protocol, and every docs/semantics.md §11.4 hazard turned into a readable TransportError."""
 
 from __future__ import annotations
 

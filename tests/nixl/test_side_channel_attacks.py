@@ -1,6 +1,6 @@
 """Attacks on the coordinator's side channel (issue #10 item 9), scripted on loopback against a
-real coordinator (``NixlCluster`` waiting for its ranks with ``spawn=False``: no rank process
-and no NIXL needed): a flood of unauthenticated connections, oversize first frames, slow-loris
+real coordinator (``NixlCluster`` waiting for ranks a launcher would start, ``spawn_ranks``
+empty: no rank process and no NIXL needed): a flood of unauthenticated connections, oversize first frames, slow-loris
 partial frames, wrong credentials and replayed HELLOs are all refused, the coordinator's memory
 stays bounded, and every socket is returned once the attackers are gone. The last test runs a
 real NIXL scenario while it is being attacked."""
@@ -24,12 +24,11 @@ from hkvsim.backends import side_channel
 from hkvsim.drivers.nixl import NixlDriver as NixlCluster
 from hkvsim.drivers.nixl import NixlRunError, NixlRunOptions
 from hkvsim.backends.rank import hello_message
-from hkvsim.backends.side_channel import MAX_FRAME, Channel, pack
+from hkvsim.backends.side_channel import MAX_FRAME, pack
 from hkvsim.scenario import parse_scenarios
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKEN = "a-fixed-multi-node-token"  # a lab may reuse HKVSIM_TOKEN from run to run
 SCENARIO = """
 [scenario]
 name = "side-channel attack target"
@@ -45,21 +44,26 @@ prompt_tokens = 100
 """
 
 
+ANNOUNCED: dict[int, dict[tuple[str, int], str]] = {}  # port -> credentials handed to launchers
+
+
 @contextmanager
 def coordinator(tmp_path: Any, *, wait: float = 8.0) -> Iterator[tuple[NixlCluster, int]]:
     """A coordinator listening on loopback and waiting ``wait`` s for ranks that never come
-    (the run then ends with "did not connect")."""
+    (the run then ends with "did not connect"). It spawns none itself: the credentials it
+    would hand a launcher (torchrun's store, hkvsim.lab) are kept in ``ANNOUNCED``."""
     (scenario,) = parse_scenarios(SCENARIO)
     listening = threading.Event()
     port: list[int] = []
 
-    def on_listening(_host: str, p: int) -> None:
+    def announce(_host: str, p: int, credentials: dict[tuple[str, int], str]) -> None:
+        ANNOUNCED[p] = dict(credentials)
         port.append(p)
         listening.set()
 
     cluster = NixlCluster(scenario, options=NixlRunOptions(
-        spawn=False, token=TOKEN, startup_timeout=wait, log_dir=str(tmp_path),
-        on_listening=on_listening))
+        spawn_ranks=frozenset(), startup_timeout=wait, log_dir=str(tmp_path),
+        announce=announce))
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -122,14 +126,10 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _node_credentials(port: int) -> dict[tuple[str, int], str]:
-    """Play the node agent of a multi-node run: the coordinator assigns the ranks to start and
-    hands out each rank's one-time credential."""
-    chan = Channel.connect("127.0.0.1", port, timeout=5)
-    chan.send({"op": "node_hello", "token": TOKEN, "node": 0, "slots": 8})
-    assign = chan.recv(10)
-    assert assign["op"] == "assign"
-    return {(engine, rank): credential for engine, rank, _dev, _log, credential in assign["ranks"]}
+def _launcher_credentials(port: int) -> dict[tuple[str, int], str]:
+    """What a launcher learns: each rank's one-time credential (hkvsim.lab puts them in
+    torchrun's store)."""
+    return ANNOUNCED[port]
 
 
 def test_a_flood_of_unauthenticated_connections_is_capped_and_returned(tmp_path, monkeypatch):
@@ -215,8 +215,8 @@ def test_wrong_credentials_and_foreign_first_messages_are_refused(tmp_path):
         attempts = [
             pack(hello_message("0" * 32, "prefill0", 0)),  # a guessed credential
             pack(hello_message("0" * 32, "prefill9", 0)),  # a rank that does not exist
-            pack({"op": "hello", "token": TOKEN, "engine": "prefill0", "rank": 0, "pid": 1}),
-            pack({"op": "node_hello", "token": "guess", "node": 0, "slots": 8}),
+            pack({"op": "hello", "token": "t", "engine": "prefill0", "rank": 0, "pid": 1}),
+            pack({"op": "node_hello", "token": "guess", "node": 0, "slots": 8}),  # gone
             pack({"op": "ready", "payload": b"", "agent_metadata": b""}),
             struct.pack("!I", 3) + b"\xc1\xc1\xc1",  # not msgpack
         ]
@@ -231,7 +231,7 @@ def test_wrong_credentials_and_foreign_first_messages_are_refused(tmp_path):
 
 def test_a_hello_cannot_be_replayed_in_this_run_or_the_next(tmp_path):
     with coordinator(tmp_path / "run1") as (cluster, port):
-        credentials = _node_credentials(port)
+        credentials = _launcher_credentials(port)
         assert set(credentials) == {("prefill0", 0), ("decode0", 0)}
         captured = pack(hello_message(credentials[("prefill0", 0)], "prefill0", 0))
         rank = _connect(port)
@@ -243,18 +243,18 @@ def test_a_hello_cannot_be_replayed_in_this_run_or_the_next(tmp_path):
         assert cluster.gate is not None and cluster.gate.refused == {"replay": 1}
         rank.close()
         replay.close()
-    # the next run of the lab, same shared token: the captured HELLO is worthless there too
+    # the next run of the lab: the captured HELLO is worthless there too
     with coordinator(tmp_path / "run2") as (cluster, port):
         replay = _connect(port)
         _send(replay, captured)
         assert _closed_within(replay, 3)
         assert cluster.gate is not None and cluster.gate.refused == {"credential": 1}
-        fresh = _node_credentials(port)
+        fresh = _launcher_credentials(port)
         assert fresh[("prefill0", 0)] != credentials[("prefill0", 0)]
         rank = _connect(port)
         _send(rank, pack(hello_message(fresh[("prefill0", 0)], "prefill0", 0)))
         assert not _closed_within(rank, 1.0)
-        assert cluster.gate.admitted == 2  # the node agent and this rank
+        assert cluster.gate.admitted == 1  # this rank
         rank.close()
         replay.close()
 
@@ -317,14 +317,13 @@ def test_credentials_are_per_rank_one_time_and_compared_strictly() -> None:
 def test_the_gate_checks_the_first_message_exactly() -> None:
     creds = side_channel.RankCredentials()
     cred = creds.issue("prefill0", 0)
-    gate = side_channel.HelloGate(credentials=creds, node_token="tok")
+    gate = side_channel.HelloGate(credentials=creds)
     assert "unexpected field" in gate.check(dict(hello_message(cred, "prefill0", 0), x=1))
     assert "must be int" in gate.check(dict(hello_message(cred, "prefill0", 0), rank=True))
     assert "missing field 'credential'" in gate.check({"op": "hello", "engine": "prefill0",
                                                        "rank": 0, "pid": 1})
     assert gate.check(hello_message(cred, "prefill0", 0)) is None
-    assert gate.check({"op": "node_hello", "token": "tok", "node": 0, "slots": 1}) is None
-    assert "wrong token" in gate.check({"op": "node_hello", "token": "tik"})
     assert "unexpected first message" in gate.check({"op": "setup"})
-    no_nodes = side_channel.HelloGate(credentials=creds)
-    assert "unexpected first message" in no_nodes.check({"op": "node_hello", "token": "tok"})
+    # the node agents' way in (a shared token) is gone with their protocol
+    assert "unexpected first message" in gate.check({"op": "node_hello", "token": "tok",
+                                                     "node": 0, "slots": 1})

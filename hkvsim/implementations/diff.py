@@ -1,0 +1,85 @@
+"""``hkvsim diff FILE``: run a scenario with hkvsim's connector core and with vLLM's, and say
+where they differ.
+
+Both runs use the same deployment, coordinator, simulated fabric, workload and oracle; only the
+connector code differs. Compared, per variant: the handshake verdict (the errors each reported);
+per request: its status and failure class, the transfers it took (one READ per source rank in
+pull) and the ranks they ran between (the fabric path of each), its descriptor count, the bytes
+moved, and the oracle's verdict on its bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..pd.records import RunResult
+from ..scenario import Scenario
+
+__all__ = ["Difference", "compare_results", "with_implementation", "diff_scenario"]
+
+FIELDS = ("status", "failure_class", "transfers", "sources", "descriptors", "nbytes",
+          "byte_exact")
+
+
+@dataclass(frozen=True)
+class Difference:
+    variant: str
+    request: int | None  # None: a run-level difference (handshake verdict, outcome)
+    field: str
+    hkvsim: Any
+    vllm: Any
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"variant": self.variant, "request": self.request, "field": self.field,
+                "hkvsim": self.hkvsim, "vllm": self.vllm}
+
+    def __str__(self) -> str:
+        where = "run" if self.request is None else f"request {self.request}"
+        return f"{self.variant}: {where}: {self.field}: hkvsim {self.hkvsim!r}, vllm {self.vllm!r}"
+
+
+def with_implementation(scenario: Scenario, implementation: str) -> Scenario:
+    connector = scenario.connector.model_copy(update={"implementation": implementation})
+    return scenario.model_copy(update={"connector": connector})
+
+
+def _sources(telemetry: list[dict[str, Any]]) -> list[str]:
+    """Where each transfer's bytes came from and went to, as the fabric routed them (the first
+    and last link of its path: the source rank's and the destination rank's ports)."""
+    out = []
+    for t in telemetry:
+        path = t.get("path") or ()
+        out.append(f"{path[0]} -> {path[-1]}" if path else "?")
+    return sorted(out)
+
+
+def _request_view(result: RunResult) -> list[dict[str, Any]]:
+    return [{"status": r.status, "failure_class": r.failure_class, "transfers": r.transfers,
+             "sources": _sources(r.telemetry),
+             "descriptors": r.descriptors, "nbytes": r.nbytes,
+             "byte_exact": (r.status == "ok" and r.mismatched_words == 0) if result.verified
+             else None} for r in result.records]
+
+
+def compare_results(variant: str, core: RunResult, vllm: RunResult) -> list[Difference]:
+    out: list[Difference] = []
+    verdict = (lambda r: "ok" if not r.handshake_errors else "refused")
+    if verdict(core) != verdict(vllm):
+        out.append(Difference(variant, None, "handshake", verdict(core), verdict(vllm)))
+    if core.outcome != vllm.outcome:
+        out.append(Difference(variant, None, "outcome", core.outcome, vllm.outcome))
+    a, b = _request_view(core), _request_view(vllm)
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        out.extend(Difference(variant, i, f, ra[f], rb[f]) for f in FIELDS if ra[f] != rb[f])
+    if len(a) != len(b):
+        out.append(Difference(variant, None, "requests", len(a), len(b)))
+    return out
+
+
+def diff_scenario(scenario: Scenario) -> tuple[list[Difference], RunResult, RunResult]:
+    from ..cluster import run_scenario
+
+    core = run_scenario(with_implementation(scenario, "hkvsim"))
+    vllm = run_scenario(with_implementation(scenario, "vllm"))
+    return compare_results(scenario.scenario.name, core, vllm), core, vllm

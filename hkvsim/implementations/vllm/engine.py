@@ -1,0 +1,607 @@
+"""vLLM's own NIXL connector workers on hkvsim's simulated fabric.
+
+From an hkvsim :class:`EngineLayout` this builds what a vLLM engine rank hands its connector: a
+``VllmConfig`` (from a small Hugging Face config written for the model), a ``KVCacheConfig`` and
+CPU tensors that are views into the rank's transport memory, so hkvsim's oracle writes and checks
+the same bytes through its own independent views. It then runs vLLM's real pull worker
+(``NixlPullConnectorWorker``): registration, the handshake (vLLM's own ``_nixl_handshake``, with
+its zmq socket replaced by an in-process one and its background executor by a synchronous one),
+``start_load_kv`` and ``get_finished``; the bytes move through :mod:`.agent` over the simulated
+fabric.
+
+Determinism: vLLM's agent name (a random uuid) is replaced by the transport agent's; no vLLM
+thread runs (handshakes complete synchronously); vLLM's ``time.perf_counter`` reads the simulated
+clock. A failure inside vLLM (an assert, an exception) becomes a rank failure naming vLLM's
+file:line (:class:`VllmFailure`), never an hkvsim crash.
+
+Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0 and 0.33.0, pull, models without state (MLA; GQA with
+NHD caches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ...geometry.layout import EngineLayout
+from ...geometry.specs import GeometryError, MLAAttentionSpec, ModelSpec
+from ...transport.base import Memory
+from .agent import TransportNixlAgent
+
+__all__ = ["VllmUnavailable", "VllmFailure", "SUPPORTED_VERSIONS", "load_vllm", "vllm_version",
+           "VllmRank", "VllmHarness", "unsupported"]
+
+log = logging.getLogger("hkvsim.vllm")
+
+SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.33.0")
+RUNNABLE_VERSIONS = ("0.26.0", "0.27.0", "0.33.0")  # the versions this harness drives
+PROVISION_HINT = "scripts/with-vllm 0.33.0 hkvsim run FILE"
+_NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+_CLOCK_MODULES = ("base_worker", "pull_worker", "push_worker", "base_scheduler",
+                  "pull_scheduler", "push_scheduler")
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM cannot be imported here (not provisioned)."""
+
+
+@dataclass(frozen=True)
+class VllmFailure(Exception):
+    """Something inside vLLM failed: ``where`` is vLLM's file:line, ``what`` the error."""
+
+    where: str
+    what: str
+    kind: str = "vllm_failure"
+
+    def __str__(self) -> str:
+        return f"vLLM failed at {self.where}: {self.what}"
+
+
+def _vllm_root() -> str | None:
+    """The directory holding the imported vllm package's parent (frames under it are vLLM's)."""
+    mod = sys.modules.get("vllm")
+    path = getattr(mod, "__file__", None)
+    return os.path.dirname(os.path.dirname(os.path.abspath(path))) if path else None
+
+
+def vllm_failure(exc: BaseException) -> VllmFailure:
+    """Name the innermost frame of vLLM's own code in ``exc``'s traceback (file:line relative
+    to vLLM's installation, e.g. ``vllm/distributed/.../base_worker.py:3791``)."""
+    root = _vllm_root()
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if root is not None and os.path.abspath(f.filename).startswith(
+                  os.path.join(root, "vllm") + os.sep)]
+    where = "?"
+    if frames:
+        rel = os.path.relpath(os.path.abspath(frames[-1].filename), root)
+        where = f"{rel.replace(os.sep, '/')}:{frames[-1].lineno}"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if isinstance(exc, AssertionError):
+        line = (frames[-1].line or "").strip() if frames else ""
+        what = line if line.startswith("assert") else "AssertionError"
+        if text:
+            what += f" ({text})"
+        return VllmFailure(where=where, what=what)
+    return VllmFailure(where=where, what=f"{type(exc).__name__}: {text}")
+
+
+def load_vllm() -> str:
+    """Import vLLM's connector package; returns the vLLM version. Raises VllmUnavailable with
+    the provisioning command when vLLM is not importable."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # vLLM's own logging setup writes INFO lines to stdout (0.26), which would corrupt --json:
+    # leave its loggers to Python's defaults (warnings and errors on stderr)
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    try:
+        import importlib
+
+        vllm = importlib.import_module("vllm")
+        importlib.import_module(f"{_NIXL}.pull_worker")
+    except ImportError as exc:
+        raise VllmUnavailable(f"implementation 'vllm' needs vLLM, which is not importable here "
+                              f"({exc}); run it with: {PROVISION_HINT}") from None
+    return str(vllm.__version__)
+
+
+def vllm_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:
+        return None
+
+
+def unsupported(model: ModelSpec, mode: str, version: str) -> str | None:
+    """Why this harness cannot run ``model`` in ``mode`` on ``version`` yet, or None."""
+    if version not in RUNNABLE_VERSIONS:
+        return (f"vLLM {version} is not driven by this harness yet (runnable: "
+                f"{', '.join(RUNNABLE_VERSIONS)})")
+    if mode != "pull":
+        return f"mode {mode!r} is not driven yet with implementation 'vllm' (allowed: pull)"
+    if model.state is not None:
+        return (f"model {model.name!r} is not driven yet with implementation 'vllm' (allowed: "
+                f"models without state: MLA, e.g. tiny-deepseek, and GQA with "
+                f"kv_cache_layout NHD, e.g. tiny-llama)")
+    return None
+
+
+# ---- the simulated clock and in-process handshakes ------------------------------------------
+class _Clock(types.ModuleType):
+    """A stand-in for the ``time`` module inside vLLM's connector: ``perf_counter`` (and
+    ``time``/``monotonic``) read the simulated clock; everything else is the real module."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        super().__init__("time")
+        import time as real
+
+        self._real, self._now = real, now
+
+    def perf_counter(self) -> float:
+        return float(self._now())
+
+    monotonic = time = perf_counter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class _SyncExecutor:
+    """Runs a submitted handshake at once, so its callbacks fire in a fixed order."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kw))
+        except BaseException as exc:  # recorded on the future, as a thread pool would
+            fut.set_exception(exc)
+        return fut
+
+    def shutdown(self, *args: Any, **kw: Any) -> None:
+        return None
+
+
+class _HandshakeSocket:
+    """The REQ socket vLLM's ``_nixl_handshake`` opens, answered in process by the engine at
+    that address (the role of vLLM's zmq listener)."""
+
+    def __init__(self, harness: "VllmHarness", path: str) -> None:
+        self.harness, self.path, self._reply = harness, path, None
+
+    def setsockopt(self, *args: Any) -> None:
+        return None
+
+    def send(self, msg: bytes) -> None:
+        import msgspec
+
+        _tag, _pp_rank, tp_rank = msgspec.msgpack.decode(msg)
+        engine = self.harness.engine_at(self.path)
+        payload = engine[tp_rank].worker.xfer_handshake_metadata
+        encoded = msgspec.msgpack.encode(payload)
+        self._reply = [encoded, msgspec.msgpack.encode(self.harness.now())]
+
+    def recv_multipart(self) -> list[bytes]:
+        reply, self._reply = self._reply, None
+        assert reply is not None
+        return reply
+
+
+# ---- one vLLM engine rank -------------------------------------------------------------------
+_HF_DIR: dict[str, str] = {}
+
+
+def _hf_config_dir(model: ModelSpec) -> str:
+    """A directory holding a Hugging Face config.json vLLM's ModelConfig accepts for ``model``
+    (cache-relevant fields from the spec; the rest small and fixed)."""
+    attn = model.attention
+    if not isinstance(attn, MLAAttentionSpec):
+        cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers,
+               "num_attention_heads": 2 * attn.num_kv_heads, "num_key_value_heads":
+               attn.num_kv_heads, "head_dim": attn.head_dim, "intermediate_size": 512,
+               "vocab_size": 1024, "max_position_embeddings": 1 << 16, "torch_dtype": attn.dtype}
+        return _write_config(cfg)
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+           "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers,
+           "num_attention_heads": 8, "num_key_value_heads": 8, "kv_lora_rank": attn.kv_lora_rank,
+           "qk_rope_head_dim": attn.rope_dim, "qk_nope_head_dim": 32, "v_head_dim": 32,
+           "q_lora_rank": None, "intermediate_size": 512, "moe_intermediate_size": 64,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+           "first_k_dense_replace": model.num_layers, "vocab_size": 1024,
+           "max_position_embeddings": 1 << 16, "torch_dtype": attn.dtype, "n_group": 1,
+           "topk_group": 1}
+    return _write_config(cfg)
+
+
+def _write_config(cfg: dict[str, Any]) -> str:
+    text = json.dumps(cfg, sort_keys=True)
+    if text not in _HF_DIR:
+        d = tempfile.mkdtemp(prefix="hkvsim-vllm-model-")
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write(text)
+        _HF_DIR[text] = d
+    return _HF_DIR[text]
+
+
+def _params(cls: Any) -> set[str]:
+    """The parameter names a vLLM class takes (its fields changed between releases)."""
+    import inspect
+
+    return set(inspect.signature(cls).parameters)
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+            "fp8": torch.uint8, "fp8_e4m3": torch.uint8}[name]
+
+
+class VllmRank:
+    """One rank of one engine: vLLM's pull worker over this rank's transport memory."""
+
+    def __init__(self, harness: "VllmHarness", engine_id: str, layout: EngineLayout, rank: int,
+                 transport: Any, memory: Memory, role: str) -> None:
+        self.harness, self.engine_id, self.layout, self.rank = harness, engine_id, layout, rank
+        self.transport, self.memory, self.role = transport, memory, role
+        self.agent = TransportNixlAgent(transport, [memory])
+        self.expected: set[str] = set()  # requests this prefill rank's vLLM worker tracks
+        self.worker = harness.build_worker(self)
+
+    def layer_name(self, layer: int) -> str:
+        return f"model.layers.{layer}.self_attn.attn"
+
+    def kv_caches(self) -> dict[str, Any]:
+        """Per-layer tensors viewing this rank's memory exactly where hkvsim's layout puts them."""
+        import torch
+
+        layout = self.layout
+        attn = layout.model.attention
+        mla = isinstance(attn, MLAAttentionSpec)
+        dtype = _torch_dtype(attn.cache_dtype or attn.dtype if mla else attn.dtype)
+        caches = {}
+        for region in layout.regions:
+            raw = self.memory.array[region.tensor_offset:region.tensor_offset
+                                    + region.tensor_bytes]
+            t = torch.from_numpy(raw).view(dtype)
+            if mla:  # (blocks, tokens, latent + rope)
+                shape = (layout.num_kernel_blocks, layout.kernel_block_size,
+                         attn.bytes_per_token(1) // t.element_size())
+            else:  # hkvsim NHD = vLLM LBNHC with K|V packed in the content dim
+                shape = (layout.num_kernel_blocks, layout.kernel_block_size,
+                         attn.heads_per_rank(layout.tp), 2 * attn.head_dim)
+            for layer in region.layers:
+                caches[self.layer_name(layer)] = t.view(*shape)
+        return caches
+
+
+class VllmHarness:
+    """Engines of vLLM pull workers over one simulated world; ``now`` reads its clock."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self.version = load_vllm()
+        if self.version not in RUNNABLE_VERSIONS:
+            raise VllmUnavailable(f"vLLM {self.version} is importable but this harness drives "
+                                  f"only {', '.join(RUNNABLE_VERSIONS)} today")
+        self.now = now
+        self.source: str | None = None  # the scenario file, for error lines
+        self.engines: dict[str, list[VllmRank]] = {}
+        self._building: VllmRank | None = None
+        self._patch()
+
+    # ---- patches: where vLLM meets hkvsim --------------------------------------------------
+    def _patch(self) -> None:
+        """Point vLLM's connector modules at this harness (patched once per process; the
+        patches consult the active harness, so a later harness replaces an earlier one)."""
+        global _ACTIVE
+        _ACTIVE = self
+        if _PATCHED:
+            return
+        _install_patches()
+
+    def engine_at(self, path: str) -> list[VllmRank]:
+        host = path.split("://", 1)[-1].rsplit(":", 1)[0]
+        return self.engines[host]
+
+    # ---- building engines ------------------------------------------------------------------
+    def vllm_config(self, rank: VllmRank) -> Any:
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+
+        layout = rank.layout
+        attn = layout.model.attention
+        model = ModelConfig(model=_hf_config_dir(layout.model), dtype=attn.dtype, seed=0,
+                            skip_tokenizer_init=True, max_model_len=1 << 14)
+        cache = CacheConfig(block_size=layout.logical_block_size, enable_prefix_caching=False)
+        cache.kv_cache_layout = "LBNHC"  # per layer: (blocks, tokens, heads, content)
+        kv = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both",
+                              kv_buffer_device="cuda",
+                              kv_connector_extra_config={"enforce_handshake_compat": True})
+        config = VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=kv,
+                          parallel_config=ParallelConfig(tensor_parallel_size=layout.tp),
+                          scheduler_config=SchedulerConfig(max_model_len=1 << 14,
+                                                           is_encoder_decoder=False,
+                                                           max_num_batched_tokens=1 << 14),
+                          device_config=DeviceConfig("cpu"))
+        # vLLM's CPU platform rewrites the block size for its own attention backend; the engine
+        # this stands for runs the GPU backend the layout names
+        config.cache_config.block_size = layout.logical_block_size
+        return config
+
+    def kv_cache_config(self, rank: VllmRank) -> Any:
+        from vllm.v1.kv_cache_interface import (
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+            MLAAttentionSpec as VllmMLASpec,
+        )
+
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        layout = rank.layout
+        attn = layout.model.attention
+        dtype = _torch_dtype(attn.dtype)
+        if isinstance(attn, MLAAttentionSpec):
+            spec = VllmMLASpec(block_size=layout.logical_block_size, num_kv_heads=1,
+                               head_size=attn.kv_lora_rank + attn.rope_dim, dtype=dtype,
+                               cache_dtype_str=attn.cache_dtype or "auto")
+        else:
+            spec = FullAttentionSpec(block_size=layout.logical_block_size,
+                                     num_kv_heads=attn.heads_per_rank(layout.tp),
+                                     head_size=attn.head_dim, dtype=dtype)
+        names = [rank.layer_name(layer) for layer in layout.model.attention_layers]
+        fields = _params(KVCacheTensor)
+        tensors = []
+        for r in layout.regions:
+            names_r = [rank.layer_name(lay) for lay in r.layers]
+            if "layers" in fields:  # >= 0.27
+                tensors.append(KVCacheTensor(size=r.tensor_bytes, layers=names_r,
+                                             layer_stride=r.tensor_bytes,
+                                             block_stride=layout.unified_page_bytes))
+            else:  # 0.26: shared_by
+                tensors.append(KVCacheTensor(size=r.tensor_bytes, shared_by=names_r))
+        return KVCacheConfig(num_blocks=layout.num_logical_blocks, kv_cache_tensors=tensors,
+                             kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+
+    def build_worker(self, rank: VllmRank) -> Any:
+        import importlib
+
+        pw = importlib.import_module(f"{_NIXL}.pull_worker")
+        from vllm.config import set_current_vllm_config
+
+        self._building = rank
+        try:
+            config = self.vllm_config(rank)
+            with set_current_vllm_config(config):
+                worker = pw.NixlPullConnectorWorker(config, rank.engine_id,
+                                                    self.kv_cache_config(rank))
+            worker._handshake_initiation_executor.shutdown(wait=False)
+            worker._handshake_initiation_executor = _SyncExecutor()
+            worker.register_kv_caches(rank.kv_caches())
+        except Exception as exc:
+            raise vllm_failure(exc) from exc
+        finally:
+            self._building = None
+        return worker
+
+    def add_rank(self, engine_id: str, layout: EngineLayout, rank: int, transport: Any,
+                 memory: Memory, role: str) -> VllmRank:
+        """Build rank ``rank`` of ``engine_id`` (ranks are added in order)."""
+        ranks = self.engines.setdefault(engine_id, [])
+        if rank != len(ranks):
+            raise ValueError(f"{engine_id}: rank {rank} added out of order")
+        vrank = VllmRank(self, engine_id, layout, rank, transport, memory, role)
+        ranks.append(vrank)
+        return vrank
+
+    def add_engine(self, engine_id: str, layout: EngineLayout, transports: list[Any],
+                   memories: list[Memory], role: str) -> list[VllmRank]:
+        for r in range(layout.tp):
+            self.add_rank(engine_id, layout, r, transports[r], memories[r], role)
+        return self.engines[engine_id]
+
+    # ---- pulls ----------------------------------------------------------------------------
+    def start_load(self, rank: VllmRank, request_id: str, prefill_request_id: str,
+                   prefill: str, local: tuple[list[int], ...], remote: tuple[list[int], ...]
+                   ) -> VllmFailure | None:
+        """vLLM's ``start_load_kv`` on one decode rank for one request (block ids per group)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+            RemoteMeta,
+            ReqMeta,
+        )
+
+        meta = NixlConnectorMetadata()
+        extra = {"awaiting_kvs": True} if "awaiting_kvs" in _params(ReqMeta) else {}  # >= 0.27
+        meta.reqs_to_recv[request_id] = ReqMeta(
+            local_block_ids=local, local_physical_block_ids=local,
+            tp_size=len(self.engines[prefill]), **extra,
+            remote=RemoteMeta(block_ids=remote, host=prefill, port=5600, engine_id=prefill,
+                              request_id=prefill_request_id))
+        meta.reqs_in_batch.add(request_id)
+        try:
+            rank.worker.start_load_kv(meta)
+        except Exception as exc:
+            return vllm_failure(exc)
+        return None
+
+    def expect_send(self, rank: VllmRank, request_id: str) -> None:
+        """Tell a prefill rank's vLLM worker that ``request_id``'s blocks wait to be read (what
+        vLLM's scheduler does when prefill finishes), once, before vLLM reads the request's
+        first notification. The lease stays the coordinator's: vLLM's is set far out."""
+        if request_id in rank.expected:
+            return
+        rank.expected.add(request_id)
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+        )
+
+        meta = NixlConnectorMetadata()
+        meta.reqs_in_batch.add(request_id)
+        meta.reqs_to_send[request_id] = self.now() + 1e9
+        if hasattr(meta, "scheduler_clock"):
+            meta.scheduler_clock = self.now()
+        try:
+            rank.worker.start_load_kv(meta)
+        except Exception as exc:
+            log.warning("vLLM refused to track %s on %s.%d: %s", request_id, rank.engine_id,
+                        rank.rank, vllm_failure(exc))
+
+    def start_pull(self, decode: str, prefill: str, request_id: str, local_blocks: np.ndarray,
+                   remote_blocks: np.ndarray) -> dict[int, VllmFailure | None]:
+        """Every decode rank asks vLLM to pull ``request_id``'s blocks from ``prefill``."""
+        local = ([int(b) for b in local_blocks],)
+        remote = ([int(b) for b in remote_blocks],)
+        return {r.rank: self.start_load(r, request_id, request_id, prefill, local, remote)
+                for r in self.engines[decode]}
+
+    def finished(self, engine: str) -> dict[int, tuple[set[str], set[str], VllmFailure | None]]:
+        """(done sending, done receiving, failure) per rank of ``engine`` (vLLM's
+        ``get_finished``), plus the requests vLLM reported failed."""
+        out = {}
+        for rank in self.engines[engine]:
+            try:
+                sending, recving = rank.worker.get_finished()
+                out[rank.rank] = (set(sending or ()), set(recving or ()), None)
+            except Exception as exc:
+                out[rank.rank] = (set(), set(), vllm_failure(exc))
+        return out
+
+    def failed_blocks(self, engine: str) -> dict[int, set[int]]:
+        return {r.rank: set(r.worker.get_block_ids_with_load_errors())
+                for r in self.engines[engine]}
+
+    def shutdown_rank(self, rank: VllmRank) -> None:
+        try:
+            rank.worker.shutdown()
+        except Exception as exc:
+            log.warning("vLLM's shutdown of %s.%d failed: %s", rank.engine_id, rank.rank,
+                        vllm_failure(exc))
+
+    def shutdown(self) -> None:
+        for ranks in self.engines.values():
+            for r in ranks:
+                with contextlib.suppress(Exception):
+                    r.worker.shutdown()
+
+
+_ACTIVE: "VllmHarness | None" = None
+_PATCHED: list[bool] = []
+
+
+def _active() -> "VllmHarness":
+    assert _ACTIVE is not None
+    return _ACTIVE
+
+
+def _building() -> VllmRank:
+    rank = _active()._building
+    assert rank is not None, "vLLM constructed a NIXL agent outside the harness"
+    return rank
+
+
+def _backend(model: ModelSpec) -> Any:
+    """vLLM's attention backend class for the model's backend (its kernel block sizes and name
+    feed the compatibility hash and the block-size logic)."""
+    if isinstance(model.attention, MLAAttentionSpec):
+        from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
+
+        return FlashMLABackend
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    return FlashAttentionBackend
+
+
+def _install_patches() -> None:
+    import importlib
+
+    bw = importlib.import_module(f"{_NIXL}.base_worker")
+    clock = _Clock(lambda: _active().now())
+    for name in _CLOCK_MODULES:
+        with contextlib.suppress(ImportError):
+            mod = importlib.import_module(f"{_NIXL}.{name}")
+            if getattr(mod, "time", None) is not None:
+                mod.time = clock
+
+    @contextlib.contextmanager
+    def zmq_ctx(_socket_type: Any, path: str) -> Iterator[_HandshakeSocket]:
+        yield _HandshakeSocket(_active(), path)
+
+    bw.NixlWrapper = lambda _name, _config=None: _building().agent
+    bw.nixl_agent_config = None
+    bw.check_nixl_version = lambda *_a, **_k: None
+    bw.zmq_ctx = zmq_ctx
+    bw.get_tensor_model_parallel_rank = lambda: _building().rank
+    bw.get_tensor_model_parallel_world_size = lambda: _building().layout.tp
+    bw.get_current_attn_backends = lambda *_a, **_k: [_backend(_building().layout.model)]
+    bw.get_current_attn_backends_and_specs = (
+        lambda _c, _k, fallback: (fallback, [None] * len(fallback)))
+    bw.current_platform = _Platform(bw.current_platform)
+    # 0.26: the worker reads the layout from get_kv_cache_layout(), not from the cache config;
+    # the caches built here are NHD-interleaved (LBNHC), so say so
+    with contextlib.suppress(ImportError):
+        utils = importlib.import_module("vllm.v1.attention.backends.utils")
+        if hasattr(utils, "_KV_CACHE_LAYOUT_OVERRIDE"):
+            utils._KV_CACHE_LAYOUT_OVERRIDE = "NHD"
+            clear = getattr(utils.get_kv_cache_layout, "cache_clear", None)
+            if clear is not None:  # it is memoized: a value read before now must not stick
+                clear()
+    _PATCHED.append(True)
+
+
+class _Platform:
+    """vLLM's current platform as the connector worker must see it here: a CUDA-like device
+    type (vLLM's CPU platform pins the process to one core per NUMA node in the worker), not
+    ROCm, device selection a no-op, and NIXL memory type DRAM (the caches are host memory)."""
+
+    device_type = "cuda"
+    device_name = "cuda"
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def is_rocm(self) -> bool:
+        return False
+
+    def is_cuda(self) -> bool:
+        return True
+
+    def set_device(self, *args: Any) -> None:
+        return None
+
+    def get_nixl_memory_type(self) -> str:
+        return "DRAM"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def decode_agent_metadata(blob: bytes) -> dict[str, Any]:  # pragma: no cover - debugging aid
+    return msgpack.unpackb(blob, raw=False)
+
+
+def check_layout(layout: EngineLayout) -> None:
+    if layout.physical_blocks_per_logical != 1:
+        raise GeometryError("implementation 'vllm' needs the kernel block to equal the logical "
+                            "block today (block_size = the backend's kernel block)")

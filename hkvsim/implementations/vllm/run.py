@@ -1,0 +1,61 @@
+"""Choosing vLLM's connector for a deployment (``[connector] implementation = "vllm"``).
+
+The simulated driver asks :func:`vllm_worker_factory` for the worker class of every rank; the
+coordinator, fabric and oracle stay hkvsim's. Every reason vLLM cannot run a scenario is one
+:class:`ScenarioError` line naming ``connector.implementation``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ...pd.deployment import Deployment
+from ...scenario import ScenarioError
+
+__all__ = ["vllm_worker_factory"]
+
+_KEY = "connector.implementation"
+
+
+def vllm_worker_factory(dep: Deployment, *, now: Callable[[], float], moves_bytes: bool
+                        ) -> tuple[Callable[..., Any], dict[str, str]]:
+    """(a ConnectorWorker-shaped factory running vLLM's worker, {"name", "version"})."""
+    from .engine import VllmHarness, VllmUnavailable, load_vllm, unsupported
+
+    scenario = dep.scenario
+    source = scenario.source
+    try:
+        version = load_vllm()
+    except VllmUnavailable as exc:
+        raise ScenarioError(str(exc), source=source, key=_KEY) from None
+    why = unsupported(dep.model, scenario.connector.mode, version)
+    if why is None and not moves_bytes:
+        why = ("vLLM's connector needs real cache bytes: run with the oracle (workload.verify = "
+               "true, no --timing-only)")
+    if why is None:
+        for spec in dep.all_engines():
+            if spec.layout.physical_blocks_per_logical != 1:
+                why = (f"engine {spec.engine_id}: the logical block must equal the kernel block "
+                       f"({spec.layout.kernel_block_size} tokens) with vLLM's connector today")
+                break
+    if why is None and not dep.model.attention.is_mla:
+        for spec in dep.all_engines():
+            if spec.layout.kv_cache_layout != "NHD":
+                why = (f"engine {spec.engine_id}: GQA caches must use kv_cache_layout NHD with "
+                       f"vLLM's connector today (hkvsim's NHD is vLLM's LBNHC with K|V packed; "
+                       f"its HND interleaves K and V per head, which no vLLM layout does)")
+                break
+    if why is None and dep.quirks:
+        why = "quirks replay hkvsim's model of old connector bugs; they do not apply to vLLM"
+    if why is not None:
+        raise ScenarioError(why, source=source, key=_KEY)
+    from .worker import VllmConnectorWorker
+
+    harness = VllmHarness(now)
+    harness.source = source
+
+    def make(**kw: Any) -> VllmConnectorWorker:
+        return VllmConnectorWorker(harness=harness, **kw)
+
+    return make, {"name": "vllm", "version": version}

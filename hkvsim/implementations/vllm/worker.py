@@ -1,0 +1,225 @@
+"""vLLM's connector worker behind the surface of hkvsim's :class:`ConnectorWorker`.
+
+:class:`hkvsim.pd.rank.RankExecutor` drives a rank through a handful of worker calls (connect,
+start_read, poll, take_messages, abort, ...). This class answers them with vLLM's own pull
+worker (built by :class:`.engine.VllmHarness`), so the same coordinator, simulated fabric and
+oracle run vLLM's connector:
+
+- ``connect``: vLLM's own handshake (``_ensure_handshake`` -> ``_nixl_handshake`` over the
+  in-process socket); a failure is the Connect's error, naming vLLM's file:line.
+- ``start_read``: one ``start_load_kv`` for the request; the transfers vLLM posts during it are
+  the request's (descriptor and byte counts from their telemetry).
+- ``poll``: ``get_finished``; a received request is ok unless vLLM reported load errors for its
+  blocks; an exception inside vLLM fails the rank's in-flight requests with vLLM's file:line.
+- prefill side: notifications are handed to the coordinator unparsed, as hkvsim's own worker
+  does (the coordinator plays vLLM's scheduler: it holds the blocks until they arrive).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+import logging
+from typing import Any
+
+import numpy as np
+
+from ...connector.validate import HandshakeError
+from ...connector.worker import ConnectorSettings, ReadRequest, RequestOutcome
+from ...geometry.layout import EngineLayout
+from ...scenario import ScenarioError
+from ...transport.base import Memory, Transport
+from .agent import NixlAgentError
+from .engine import VllmFailure, VllmHarness, VllmRank, vllm_failure
+
+__all__ = ["VllmConnectorWorker"]
+
+log = logging.getLogger("hkvsim.vllm")
+
+
+@dataclass
+class _Flight:
+    outcome: RequestOutcome
+    handles: list[int] = field(default_factory=list)
+    local_blocks: set[int] = field(default_factory=set)
+
+
+class VllmConnectorWorker:
+    """One rank whose connector is vLLM's (pull mode)."""
+
+    def __init__(self, *, harness: VllmHarness, engine_id: str, role: str, tp_rank: int,
+                 layout: EngineLayout, transport: Transport, settings: ConnectorSettings,
+                 device_id: int = 0) -> None:
+        if settings.mode != "pull":
+            raise HandshakeError("V1", f"implementation 'vllm': mode {settings.mode!r} is not "
+                                       f"driven yet (allowed: pull)")
+        self.harness, self.engine_id, self.role, self.tp_rank = harness, engine_id, role, tp_rank
+        self.layout, self.model, self.transport = layout, layout.model, transport
+        self.settings, self.device_id = settings, device_id
+        self.memory: Memory | None = None
+        self.vllm: VllmRank | None = None
+        self._in_flight: dict[str, _Flight] = {}
+        self.notification_failures = 0
+
+    # ---- registration and handshake -------------------------------------------------------
+    def register(self, mem_type: str = "VRAM") -> Memory:
+        # vLLM registers the CPU tensors it is given as DRAM of device 0, whatever the fabric's
+        # memory is
+        self.memory = self.transport.allocate(self.layout.total_bytes, mem_type="DRAM",
+                                              device_id=0)
+        try:
+            self.vllm = self.harness.add_rank(self.engine_id, self.layout, self.tp_rank,
+                                              self.transport, self.memory, self.role)
+        except VllmFailure as exc:  # vLLM refused to build this rank: the run cannot start
+            raise ScenarioError(f"{self.engine_id} rank {self.tp_rank}: {exc}",
+                                source=self.harness.source,
+                                key="connector.implementation") from None
+        return self.memory
+
+    def handshake_payload(self) -> bytes:
+        # vLLM fetches its peers' metadata itself (its own handshake); nothing to carry here
+        return self.engine_id.encode()
+
+    def connect(self, remote_engine: str, payloads: Mapping[int, bytes]) -> None:
+        assert self.vllm is not None
+        remote_tp = len(payloads)
+        worker = self.vllm.worker
+        try:
+            fut = worker._ensure_handshake(remote_engine, remote_engine, 5600, remote_tp)
+            if fut is not None:
+                fut.result()
+        except Exception as exc:
+            raise HandshakeError("vLLM", str(vllm_failure(exc))) from None
+        if remote_engine not in worker._remote_agents:
+            raise HandshakeError("vLLM", f"vLLM's handshake with {remote_engine} failed (its "
+                                         f"log names the cause)")
+
+    def connect_notify_only(self, agent_metadata: Any) -> None:
+        raise HandshakeError("V1", "implementation 'vllm' drives pull only")
+
+    def is_connected(self, engine: str) -> bool:
+        return self.vllm is not None and engine in self.vllm.worker._remote_agents
+
+    # ---- pull -----------------------------------------------------------------------------
+    def start_read(self, req: ReadRequest) -> RequestOutcome | None:
+        assert self.vllm is not None
+        outcome = RequestOutcome(request_id=req.request_id, ok=False)
+        groups = sorted(set(req.decode_blocks) | set(req.prefill_blocks))
+        local = tuple([int(b) for b in req.decode_blocks.get(g, ())] for g in groups)
+        remote = tuple([int(b) for b in req.prefill_blocks.get(g, ())] for g in groups)
+        agent = self.vllm.agent
+        before = agent.created_handles()
+        failure = self.harness.start_load(self.vllm, req.request_id, req.prefill_request_id,
+                                          req.remote_engine, local, remote)
+        flight = _Flight(outcome=outcome, handles=agent.created_handles()[len(before):],
+                         local_blocks={b for g in local for b in g})
+        if failure is not None:
+            outcome.reason, outcome.failure_class = str(failure), failure.kind
+            return outcome
+        self._in_flight[req.request_id] = flight
+        return None
+
+    def poll(self, finished: Any = None) -> list[RequestOutcome]:
+        """``finished`` (the transport's finished handles, from event-driven drivers) is not
+        needed: vLLM's get_finished() asks its agent about every transfer it holds."""
+        del finished
+        if not self._in_flight:
+            return []
+        assert self.vllm is not None
+        try:
+            _sending, recving = self.vllm.worker.get_finished()
+            bad = set(self.vllm.worker.get_block_ids_with_load_errors())
+        except Exception as exc:
+            failure = vllm_failure(exc)
+            return [self._end(rid, failure=failure) for rid in list(self._in_flight)]
+        out = []
+        for rid in sorted(set(recving or ()) & set(self._in_flight)):
+            flight = self._in_flight[rid]
+            lost = sorted(flight.local_blocks & bad)
+            if lost:
+                out.append(self._end(rid, failure=VllmFailure(
+                    where="get_block_ids_with_load_errors",
+                    what=f"vLLM reported load errors for blocks {lost[:8]}",
+                    kind="transfer_failed")))
+            else:
+                out.append(self._end(rid))
+        return out
+
+    def _end(self, rid: str, failure: VllmFailure | None = None) -> RequestOutcome:
+        flight = self._in_flight.pop(rid)
+        out = flight.outcome
+        assert self.vllm is not None
+        tel = [t for t in (self.vllm.agent.telemetry_of(h) for h in flight.handles)
+               if t is not None]
+        out.transfers = len(flight.handles)
+        out.descriptors = sum(t.descriptors for t in tel)
+        out.nbytes = sum(t.nbytes for t in tel)
+        if failure is None:  # as hkvsim's worker: telemetry of a request that completed
+            out.ok, out.telemetry = True, tel
+        else:
+            out.reason, out.failure_class = str(failure), failure.kind
+        return out
+
+    def abort(self, rid: str, reason: str, failure_class: str) -> RequestOutcome | None:
+        if rid not in self._in_flight:
+            return None
+        out = self._end(rid)
+        out.ok, out.reason, out.failure_class = False, reason, failure_class
+        return out
+
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def pending_releases(self) -> int:
+        return 0
+
+    def take_released(self) -> list[str]:
+        return []
+
+    def take_messages(self) -> list[bytes]:
+        """Prefill: vLLM's own worker counts the read notifications and says when a request's
+        blocks may go (``get_finished``'s done-sending set, by its release's rule); each such
+        request becomes one ``"{request}:1"`` message for the coordinator, which frees the
+        blocks once every prefill rank has sent its. Other messages (heartbeats) pass as they
+        came. Decode: nothing (vLLM's decode worker reads its own notifications)."""
+        if self.role == "decode" or self.vllm is None:
+            return []
+        agent = self.vllm.agent
+        try:
+            peeked = agent.peek_notifs()
+        except NixlAgentError:
+            return []
+        passed: list[bytes] = []
+        for message in (m for messages in peeked.values() for m in messages):
+            if message.startswith(b"HB:"):
+                passed.append(message)
+                continue
+            rid = message.decode(errors="replace").rpartition(":")[0]
+            if rid:
+                self.harness.expect_send(self.vllm, rid)
+        try:
+            sending, _recving = self.vllm.worker.get_finished()
+        except Exception as exc:
+            log.warning("vLLM's prefill get_finished failed on %s.%d: %s", self.engine_id,
+                        self.tp_rank, vllm_failure(exc))
+            return passed
+        return passed + [f"{rid}:1".encode() for rid in sorted(sending or ())]
+
+    # ---- post-processing and eviction ------------------------------------------------------
+    def zero_sub_blocks(self, sub_block_ids: np.ndarray, bsr: int) -> None:
+        if np.asarray(sub_block_ids).size:
+            raise HandshakeError("V1", "implementation 'vllm' does not zero sub-blocks yet "
+                                       "(block size ratio 1 only)")
+
+    def regroup_heads(self, kernel_blocks: np.ndarray, bsr: int) -> None:
+        if np.asarray(kernel_blocks).size and bsr != 1:
+            raise HandshakeError("V1", "implementation 'vllm' does not regroup heads yet")
+
+    def evict(self, engine: str) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        """vLLM's own shutdown: it releases its lists and agents and deregisters its memory
+        (what it leaves behind shows up as the run's after-shutdown leak)."""
+        if self.vllm is not None:
+            self.harness.shutdown_rank(self.vllm)

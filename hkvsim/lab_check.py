@@ -1,0 +1,223 @@
+"""``hardware/gpu-check``: what a GPU lab runs first, writing ``reports/gpu/``.
+
+1. preflight: torch with CUDA and at least two GPUs, NIXL importable, no
+   ``expandable_segments:True`` (refuses clearly otherwise, before anything runs);
+2. VRAM registration: on each of the first two GPUs, a NIXL agent registers a VRAM buffer and
+   deregisters it (NIXL issue #334 shows up here);
+3. tiny-kimi-linear pull and push across two GPUs under torchrun (P on GPU 0, D on GPU 1),
+   every byte checked by the oracle;
+4. a short calibration sweep on two GPUs (kimi-linear-48b geometry, prompt lengths x
+   descriptor merging), measured next to the simulator's prediction for the same file.
+
+Steps 3 and 4 are the torchrun path of :mod:`hkvsim.lab`; CI runs the same code on CPU
+(``--device cpu``, which skips step 2 and the CUDA preflight) so only CUDA itself is untested
+there. Exit status: 0 every step passed, 1 a step failed, 2 refused (preflight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "preflight", "byte_problems", "calibration_rows"]
+
+SCENARIOS = Path(__file__).resolve().parents[1] / "hardware" / "scenarios"  # in a checkout
+
+
+def preflight(device: str, gpus: int = 2) -> list[str]:
+    """Why this machine cannot run the check (empty: it can)."""
+    problems: list[str] = []
+    from .lab_env import EnvError, check_alloc_conf
+    from .transport.nixl import NixlUnavailable, load_nixl
+
+    try:
+        import torch
+    except ImportError:
+        return ["torch is not installed (pip install -e '.[lab]')"]
+    if device == "cuda":
+        try:
+            check_alloc_conf()
+        except EnvError as exc:
+            problems.append(str(exc))
+        if not torch.cuda.is_available():
+            problems.append("no CUDA device: torch.cuda.is_available() is False (a CPU-only "
+                            "machine, a CPU build of torch, or no driver); this check needs "
+                            f"{gpus} GPUs")
+        elif torch.cuda.device_count() < gpus:
+            problems.append(f"{torch.cuda.device_count()} CUDA device(s) visible; this check "
+                            f"needs {gpus} (see CUDA_VISIBLE_DEVICES)")
+    try:
+        load_nixl()
+    except NixlUnavailable as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def vram_registration(devices: list[int], nbytes: int = 64 << 20) -> dict[str, Any]:
+    """Register and deregister a VRAM buffer with a NIXL agent on each device (CUDA only)."""
+    import torch
+
+    from .transport.nixl import NixlTransport
+
+    out: dict[str, Any] = {"bytes": nbytes, "devices": []}
+    for device in devices:
+        torch.cuda.set_device(device)  # before the agent, as every rank does
+        entry: dict[str, Any] = {"device": device, "name": torch.cuda.get_device_name(device)}
+        transport = NixlTransport(f"gpu-check.{device}")
+        try:
+            t0 = time.perf_counter()
+            memory = transport.allocate(nbytes, mem_type="VRAM", device_id=device)
+            transport.register_memory(memory)
+            entry["register_s"] = time.perf_counter() - t0
+            transport.deregister_memory(memory)
+            entry["ok"] = True
+        except Exception as exc:  # reported, not raised: the summary says what failed
+            entry.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            transport.close()
+        out["devices"].append(entry)
+    out["ok"] = all(d["ok"] for d in out["devices"])
+    return out
+
+
+def torchrun_json(scenario: Path, *, nproc: int, device: str, log_dir: Path,
+                  timeout: float) -> tuple[int, dict[str, Any] | None, str]:
+    """Run ``scenario`` under ``torchrun --standalone``; (exit status, JSON or None, stderr)."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), "-m", "hkvsim.lab",
+           str(scenario), "--device", device, "--json", "--requests", "--log-dir", str(log_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
+                              "OMP_NUM_THREADS", "1")})
+    try:
+        data = json.loads(proc.stdout) if proc.stdout.strip() else None
+    except json.JSONDecodeError:
+        data = None
+    return proc.returncode, data, proc.stderr
+
+
+def _variants(data: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if data is None:
+        return []
+    return list(data["scenarios"]) if "scenarios" in data else [data]
+
+
+def byte_problems(data: dict[str, Any] | None, expected_variants: int) -> list[str]:
+    """Why a lab result is not a byte-exact success of every variant (empty: it is)."""
+    if data is None:
+        return ["no result JSON (see the rank logs)"]
+    problems = [f"{n['scenario']}: not run: {n['error']}" for n in data.get("not_run", [])]
+    runs = _variants(data)
+    if len(runs) != expected_variants:
+        problems.append(f"{len(runs)} variant(s) ran, {expected_variants} expected")
+    for d in runs:
+        r = d["requests"]
+        if not d["verified"] or r["byte_exact"] != r["total"] or r["corrupted"] or (
+                d["outcome"] != "ok"):
+            problems.append(f"{d['scenario']}: outcome {d['outcome']}, verified "
+                            f"{d['verified']}, byte-exact {r['byte_exact']}/{r['total']}, "
+                            f"corrupted {r['corrupted']}")
+    return problems
+
+
+def calibration_rows(measured: dict[str, Any] | None, scenario: Path) -> list[dict[str, Any]]:
+    """Per variant: the measured median transfer time next to the simulator's for the file."""
+    from .cluster import run_scenario
+    from .results import result_json
+    from .scenario import load_scenarios
+
+    runs = {d["sweep_index"]: d for d in _variants(measured)}
+    rows = []
+    scenarios = load_scenarios(str(scenario))
+    for i, s in enumerate(scenarios):
+        sim = result_json(run_scenario(s), position=(i, len(scenarios)))
+        real = runs.get(i)
+        sim_p50 = (sim["time"]["transfer_seconds"] or {}).get("p50")
+        real_p50 = ((real or {}).get("time", {}).get("transfer_seconds") or {}).get("p50")
+        rows.append({"variant": i, "point": s.sweep_point, "bytes": sim["requests"]["bytes"],
+                     "descriptors": sim["requests"]["descriptors"],
+                     "simulated_p50_s": sim_p50, "measured_p50_s": real_p50,
+                     "error": (sim_p50 - real_p50) / real_p50 if sim_p50 and real_p50 else None,
+                     "measured_byte_exact": None if real is None else
+                     real["requests"]["byte_exact"]})
+    return rows
+
+
+def _markdown(summary: dict[str, Any]) -> str:
+    lines = ["# GPU check", "", f"- when: {summary['when']}", f"- device: {summary['device']}",
+             f"- host: {summary['host']}", ""]
+    for name, step in summary["steps"].items():
+        lines.append(f"- **{name}**: {'passed' if step['ok'] else 'FAILED'}"
+                     + ("" if step["ok"] else f" -- {'; '.join(step.get('problems', []))}"))
+    rows = summary.get("calibration") or []
+    if rows:
+        lines += ["", "## Calibration sweep: measured vs simulated (median transfer time)", "",
+                  "| variant | point | bytes | descriptors | measured | simulated | error |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            fmt = (lambda v: "-" if v is None else f"{v * 1e3:.3f} ms")
+            err = "-" if r["error"] is None else f"{r['error'] * 100:+.0f} %"
+            lines.append(f"| {r['variant']} | {json.dumps(r['point'])} | {r['bytes']:,} | "
+                         f"{r['descriptors']:,} | {fmt(r['measured_p50_s'])} | "
+                         f"{fmt(r['simulated_p50_s'])} | {err} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hardware/gpu-check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="reports/gpu", help="where the results go")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda (the lab); cpu runs the same torchrun steps on DRAM (CI)")
+    p.add_argument("--skip-calibration", action="store_true", help="steps 1-3 only")
+    p.add_argument("--timeout", type=float, default=900.0, help="per torchrun step (s)")
+    p.add_argument("--scenarios", default=str(SCENARIOS),
+                   help="folder with gpu-pull-push.toml and gpu-calibration.toml")
+    args = p.parse_args(argv)
+    problems = preflight(args.device)
+    if problems:
+        for text in problems:
+            print(f"hardware/gpu-check: refused: {text}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "device": args.device, "host": os.uname().nodename, "steps": {}}
+    steps = summary["steps"]
+    if args.device == "cuda":
+        reg = vram_registration([0, 1])
+        (out / "vram-registration.json").write_text(json.dumps(reg, indent=2) + "\n")
+        steps["vram registration"] = {"ok": reg["ok"], "problems": [
+            f"cuda:{d['device']}: {d['error']}" for d in reg["devices"] if not d["ok"]]}
+    pull_push = Path(args.scenarios) / "gpu-pull-push.toml"
+    rc, data, err = torchrun_json(pull_push, nproc=2, device=args.device,
+                                  log_dir=out / "logs" / "pull-push", timeout=args.timeout)
+    (out / "pull-push.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    found = byte_problems(data, 2) + ([f"torchrun exit status {rc}: {err.strip()[-400:]}"]
+                                      if rc else [])
+    steps["tiny-kimi-linear pull and push, 2 ranks"] = {"ok": not found, "problems": found}
+    if not args.skip_calibration:
+        calib = Path(args.scenarios) / "gpu-calibration.toml"
+        rc, data, err = torchrun_json(calib, nproc=2, device=args.device,
+                                      log_dir=out / "logs" / "calibration", timeout=args.timeout)
+        (out / "calibration-measured.json").write_text(json.dumps(data, indent=2, default=str)
+                                                       + "\n")
+        rows = calibration_rows(data, calib)
+        summary["calibration"] = rows
+        found = byte_problems(data, len(rows)) + ([f"torchrun exit status {rc}"] if rc else [])
+        steps["calibration sweep"] = {"ok": not found, "problems": found}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (out / "summary.md").write_text(_markdown(summary))
+    ok = all(s["ok"] for s in steps.values())
+    print(_markdown(summary))
+    print(f"hardware/gpu-check: {'passed' if ok else 'FAILED'}; results in {out}/")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

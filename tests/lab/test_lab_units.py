@@ -1,0 +1,449 @@
+"""The lab path's pieces without torchrun: the environment allow-list, placement and the GPU
+count, the store protocol, CUDA device selection order, the allocator refusal, the VRAM
+staging region and the gpu-check script's refusal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+from hkvsim.backends.side_channel import ProtocolError
+from hkvsim.geometry import build_layout, preset
+from hkvsim.lab_env import EnvError, check_alloc_conf, filter_env, read_torchrun_env
+from hkvsim.lab_place import PlacementError, Slot, place
+from hkvsim.lab_store import LabStore, StoreTimeout, check_run, check_slot
+from hkvsim.oracle import Oracle
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+TORCHRUN_ENV = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+                "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+# ---- environment --------------------------------------------------------------------------------
+def test_a_worker_reads_its_place_from_torchruns_variables_only() -> None:
+    env = read_torchrun_env({**TORCHRUN_ENV, "HKVSIM_TOKEN": "x", "AWS_SECRET": "y"})
+    assert (env.rank, env.world_size, env.local_rank, env.node) == (2, 4, 0, 1)
+    assert env.agent_store and not env.single_node
+    with pytest.raises(EnvError, match=r"^RANK is not set: start hkvsim.lab with torchrun"):
+        read_torchrun_env({k: v for k, v in TORCHRUN_ENV.items() if k != "RANK"})
+    with pytest.raises(EnvError, match=r"LOCAL_RANK='x' is not an integer"):
+        read_torchrun_env({**TORCHRUN_ENV, "LOCAL_RANK": "x"})
+    with pytest.raises(EnvError, match="do not fit"):
+        read_torchrun_env({**TORCHRUN_ENV, "RANK": "4"})
+
+
+def test_only_allow_listed_variables_reach_a_spawned_rank() -> None:
+    env = {"UCX_TLS": "rc", "NIXL_LOG_LEVEL": "INFO", "CUDA_VISIBLE_DEVICES": "0,1",
+           "LD_PRELOAD": "/tmp/evil.so", "HKVSIM_TOKEN": "secret", "PATH": "/bin", "RANK": "0"}
+    assert filter_env(env) == {"UCX_TLS": "rc", "NIXL_LOG_LEVEL": "INFO",
+                               "CUDA_VISIBLE_DEVICES": "0,1", "RANK": "0"}
+
+
+def test_the_driver_and_the_rank_entry_refuse_other_variables() -> None:
+    from hkvsim.backends.rank import rank_entry
+    from hkvsim.drivers.nixl import NixlDriver, NixlRunError, NixlRunOptions
+    from hkvsim.scenario import parse_scenarios
+
+    (scenario,) = parse_scenarios(_TINY)
+    with pytest.raises(NixlRunError, match=r"^rank environment: LD_PRELOAD not allowed"):
+        NixlDriver(scenario, options=NixlRunOptions(env=(("LD_PRELOAD", "x.so"),
+                                                         ("UCX_TLS", "tcp"))))
+    assert NixlDriver(scenario, options=NixlRunOptions(env=(("UCX_TLS", "tcp"),))
+                      )._rank_env()["UCX_TLS"] == "tcp"
+    with pytest.raises(SystemExit, match=r"environment \['LD_PRELOAD'\] not allowed"):
+        rank_entry("127.0.0.1", 1, "c", "prefill0", 0, "/dev/null", {"LD_PRELOAD": "x.so"})
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "expandable_segments:true",
+                                  "max_split_size_mb:128, expandable_segments : True"])
+def test_expandable_segments_is_refused(conf: str, monkeypatch) -> None:
+    with pytest.raises(EnvError, match=r"^PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True"):
+        check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": conf})
+    from hkvsim.drivers.nixl import NixlDriver, NixlRunError, NixlRunOptions
+    from hkvsim.scenario import parse_scenarios
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    (scenario,) = parse_scenarios(_TINY)
+    with pytest.raises(NixlRunError, match="VMM-backed VRAM may not export over cuda_ipc"):
+        NixlDriver(scenario, options=NixlRunOptions(device="cuda"))
+    NixlDriver(scenario, options=NixlRunOptions(device="cpu"))  # DRAM: irrelevant
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:False", "max_split_size_mb:128"])
+def test_other_allocator_settings_pass(conf: str) -> None:
+    check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": conf})
+
+
+def test_hkvsim_lab_outside_torchrun_says_how_to_start_it() -> None:
+    env = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "hkvsim.lab", "x.toml"], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("hkvsim.lab: error: RANK is not set: start hkvsim.lab with "
+                                  "torchrun (torchrun --nproc-per-node G -m hkvsim.lab SCENARIO; "
+                                  "see hardware/README.md)")
+
+
+# ---- placement and the GPU count ---------------------------------------------------------------
+def _slots(nodes: int, per_node: int, gpus: int | None) -> list[Slot]:
+    return [Slot(rank=n * per_node + i, node=n, local_rank=i, gpus=gpus)
+            for n in range(nodes) for i in range(per_node)]
+
+
+def test_engines_are_packed_onto_nodes_without_straddling() -> None:
+    placed = place([("prefill0", 1), ("decode0", 2)], _slots(2, 2, 8))
+    assert [(p.engine, p.tp_rank, p.rank, p.node, p.device) for p in placed] == [
+        ("prefill0", 0, 0, 0, 0), ("decode0", 0, 2, 1, 0), ("decode0", 1, 3, 1, 1)]
+    placed = place([("prefill0", 2), ("decode0", 4)], _slots(2, 4, 4))
+    assert [p.node for p in placed] == [0, 0, 1, 1, 1, 1]
+    assert [p.device for p in placed] == [0, 1, 0, 1, 2, 3]
+    # larger than any node: it straddles, in node order
+    placed = place([("decode0", 3)], _slots(2, 2, None))
+    assert [(p.node, p.device) for p in placed] == [(0, 0), (0, 1), (1, 0)]
+
+
+def test_gpu_count_is_checked_before_placing() -> None:
+    # 4 workers per node, but each node has only 2 GPUs: workers 2 and 3 of a node are unusable
+    slots = _slots(2, 4, 2)
+    placed = place([("prefill0", 2), ("decode0", 2)], slots)
+    assert [(p.node, p.device) for p in placed] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with pytest.raises(PlacementError) as exc:
+        place([("prefill0", 1), ("decode0", 4)], slots)
+    assert str(exc.value) == ("the variant needs 5 GPU(s), one per rank; 4 worker(s) have one "
+                              "(node 0: 4 worker(s), 2 GPU(s), node 1: 4 worker(s), 2 GPU(s))")
+    with pytest.raises(PlacementError, match=r"^the variant needs 3 rank process\(es\); "
+                                             r"torchrun started 2 "):
+        place([("prefill0", 1), ("decode0", 2)], _slots(1, 2, None))
+
+
+# ---- the store ----------------------------------------------------------------------------------
+class DictStore:
+    """torch.distributed.Store's set/get/wait over a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        missing = [k for k in keys if k not in self.data]
+        if missing:
+            raise RuntimeError(f"timeout waiting for {missing}")
+
+
+def test_store_values_round_trip_and_are_checked() -> None:
+    store = LabStore(DictStore())
+    store.put("slot/1", {"op": "slot", "node": 0, "local_rank": 1, "gpus": None})
+    assert check_slot(store.take("slot/1", 1.0)) == {"node": 0, "local_rank": 1, "gpus": None}
+    run = {"op": "run", "host": "127.0.0.1", "port": 4000, "engine": "decode0", "rank": 1,
+           "credential": "ab" * 16}
+    store.put("round/0/2", run)
+    assert check_run(store.take("round/0/2", 1.0))["engine"] == "decode0"
+    with pytest.raises(StoreTimeout, match=r"'round/1/2' did not appear in torchrun's store"):
+        store.take("round/1/2", 0.1)
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"engine": "../../etc/passwd"}, "is not a rank name"),
+    ({"engine": "decode0", "rank": -1}, "is not a rank name"),
+    ({"port": 0}, "bad coordinator address"),
+    ({"env": {"LD_PRELOAD": "x"}}, r"unexpected field\(s\) \['env'\]"),
+    ({"port": True}, "must be int, got a bool"),
+])
+def test_a_malformed_assignment_is_refused(bad: dict, why: str) -> None:
+    run = {"op": "run", "host": "127.0.0.1", "port": 4000, "engine": "decode0", "rank": 1,
+           "credential": "ab" * 16, **bad}
+    with pytest.raises(ProtocolError, match=why):
+        check_run(run)
+
+
+def test_undecodable_store_values_are_refused() -> None:
+    import msgpack
+
+    raw = DictStore()
+    store = LabStore(raw)
+    raw.set("a", b"\xc1\xc1")
+    raw.set("b", msgpack.packb([1, 2]))
+    raw.set("c", msgpack.packb({"op": "x", "t": msgpack.ExtType(1, b"p")}))
+    for key, why in (("a", "not msgpack"), ("b", "must be a map"), ("c", "extension type")):
+        with pytest.raises(ProtocolError, match=why):
+            store.take(key, 1.0)
+
+
+# ---- CUDA device selection comes before the NIXL agent ------------------------------------------
+def test_a_vram_rank_selects_its_cuda_device_before_creating_the_nixl_agent(monkeypatch) -> None:
+    import hkvsim.backends.rank as rank_mod
+    import hkvsim.transport.nixl as nixl_mod
+    from hkvsim.scenario import parse_scenarios
+
+    calls: list[tuple[str, object]] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_transport(name, **_kw):
+        calls.append(("agent", name))
+        raise Stop
+
+    monkeypatch.setattr(rank_mod, "select_cuda_device", lambda d: calls.append(("device", d)))
+    monkeypatch.setattr(nixl_mod, "NixlTransport", fake_transport)
+    (scenario,) = parse_scenarios(_TINY)
+    proc = rank_mod.RankProcess(None, credential="c", engine="decode0", rank=1, log_path="x")
+    setup = {"op": "setup", "scenario": scenario.to_dict(), "role": "decode", "num_blocks": 64,
+             "mem_type": "VRAM", "device_id": 3, "epoch": 0.0, "progress_thread": False,
+             "telemetry": False, "oracle": True, "precommit": False}
+    with pytest.raises(Stop):
+        proc._setup(setup)
+    assert calls == [("device", 3), ("agent", "decode0.1")]
+    calls.clear()
+    with pytest.raises(Stop):
+        proc._setup({**setup, "mem_type": "DRAM"})
+    assert calls == [("agent", "decode0.1")]  # DRAM: no CUDA at all
+
+
+def test_select_cuda_device_refuses_expandable_segments_first(monkeypatch) -> None:
+    from hkvsim.backends.rank import select_cuda_device
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(EnvError, match="expandable_segments"):
+        select_cuda_device(0)
+
+
+# ---- the VRAM staging region ---------------------------------------------------------------------
+def _layout(name: str, tp: int, blocks: int = 12):
+    model = preset(name)
+    return build_layout(model, tp=tp, block_size=model.attention.attention_backend
+                        .min_kernel_block, num_blocks=blocks)
+
+
+def _blocks(layout, ids_attention, first_state):
+    """Attention blocks, and one state block per state group (groups alias the same tensors,
+    so each needs its own block)."""
+    return {g.group_id: np.array(ids_attention if g.kind == "attention"
+                                 else [first_state + g.group_id]) for g in layout.groups}
+
+
+CASES = [("tiny-kimi-linear", 1), ("tiny-kimi-linear", 2), ("tiny-qwen3-next", 2),
+         ("tiny-deepseek", 1), ("tiny-llama", 2)]
+
+
+@pytest.mark.parametrize("name, tp", CASES)
+def test_the_oracle_touches_nothing_outside_the_staging_region(name: str, tp: int) -> None:
+    """What a VRAM rank stages (staging_spans) covers every byte the oracle writes or reads
+    for the op's blocks: writes land only inside it, and poison outside it changes nothing
+    the oracle sees."""
+    from hkvsim.backends.rank import staging_spans
+
+    layout = _layout(name, tp)
+    oracle = Oracle(layout.model)
+    blocks = _blocks(layout, [7, 2, 3], 8)
+    tokens = (0, 3 * layout.logical_block_size - 5)
+    step = tokens[1] if layout.is_hybrid else None
+    spans = staging_spans(layout, blocks)
+    inside = np.zeros(layout.total_bytes, bool)
+    for a, b in spans:
+        inside[a:b] = True
+    assert 0 < inside.sum() < layout.total_bytes  # a region, not the whole cache
+    memory = np.zeros(layout.total_bytes, np.uint8)
+    oracle.write(memory, layout, tp - 1, 5, blocks=blocks, tokens=tokens, state_step=step)
+    assert memory[~inside].sum() == 0 and memory[inside].any()
+    rng = np.random.default_rng(3)
+    poisoned = memory.copy()
+    poisoned[~inside] = rng.integers(1, 255, int((~inside).sum()), dtype=np.uint8)
+    for arr in (memory, poisoned):
+        assert oracle.verify(arr, layout, tp - 1, 5, engine="decode0", blocks=blocks,
+                             tokens=tokens, state_step=step) == (0, [])
+    # and the region is needed: a corrupted byte inside it is caught
+    bad = poisoned.copy()
+    bad[spans[0][0]] ^= 0xFF
+    assert oracle.verify(bad, layout, tp - 1, 5, engine="decode0", blocks=blocks,
+                         tokens=tokens, state_step=step)[0] > 0
+
+
+def test_staging_spans_merge_adjacent_blocks_and_clip_to_the_tensor() -> None:
+    from hkvsim.backends.rank import staging_spans
+
+    layout = _layout("tiny-deepseek", 1, blocks=8)
+    page = layout.unified_page_bytes
+    spans = staging_spans(layout, {0: np.array([1, 2, 3, 6])})
+    assert spans[:2] == [(page, 4 * page), (6 * page, 7 * page)]
+    assert len(spans) == 2 * layout.num_tensors
+    assert staging_spans(layout, {0: np.array([], dtype=np.int64)}) == []
+    last = staging_spans(layout, {0: np.array([7])})
+    assert all(b - a == page for a, b in last)
+
+
+def test_a_vram_rank_stages_only_the_region_and_pushes_back_only_changes(monkeypatch) -> None:
+    """The host-staged executor with a CPU torch tensor standing in for VRAM: an oracle write
+    copies only its blocks' pages from the 'device' and back, and bytes elsewhere on the
+    'device' (a DMA landing meanwhile) are left alone."""
+    torch = pytest.importorskip("torch")
+    from hkvsim.backends.rank import _HostStagedExecutor, staging_spans
+    from hkvsim.pd.ops import OracleWrite, Verify
+    from hkvsim.transport.base import Memory
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+    layout = _layout("tiny-kimi-linear", 1)
+    device = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    shadow = np.zeros(layout.total_bytes, np.uint8)
+    memory = Memory(base_addr=0, array=shadow, mem_type="VRAM", device_id=0)
+
+    class Worker:
+        pass
+
+    worker = Worker()
+    worker.memory, worker.layout = memory, layout
+
+    class Transport:
+        def device_tensor(self, m):
+            return device if m is memory else None
+
+    executor = _HostStagedExecutor(("decode0", 0), worker, Oracle(layout.model), Transport())
+    blocks = _blocks(layout, [4, 5], 7)
+    region = sum(b - a for a, b in staging_spans(layout, blocks))
+    other = layout.total_bytes - 1  # a byte no op here touches: DMA "landing" on the device
+    device[other] = 77
+    executor.execute(OracleWrite(request=2, blocks=blocks, tokens=(0, 40), state_step=40))
+    assert executor.staged_bytes <= 2 * region < layout.total_bytes
+    assert int(device[other]) == 77 and shadow[other] == 0  # neither copied nor overwritten
+    expected = np.zeros(layout.total_bytes, np.uint8)
+    Oracle(layout.model).write(expected, layout, 0, 2, blocks=blocks, tokens=(0, 40),
+                               state_step=40)
+    expected[other] = 77
+    assert np.array_equal(device.numpy(), expected)  # the device holds exactly the pattern
+    # verify reads the device's bytes (staged), not a stale shadow
+    shadow[:] = 0
+    words, _ = executor.execute(Verify(request=2, blocks=blocks, tokens=(0, 40), state_step=40,
+                                       zero_tail=None, compute=(40, 40), compute_step=None))
+    assert words == 0
+    device[staging_spans(layout, blocks)[0][0] + 8] ^= 1  # a wrong byte on the device
+    words, _ = executor.execute(Verify(request=2, blocks=blocks, tokens=(0, 40), state_step=40,
+                                       zero_tail=None, compute=(40, 40), compute_step=None))
+    assert words > 0
+
+
+# ---- hardware/gpu-check ---------------------------------------------------------------------------
+def test_gpu_check_refuses_clearly_without_cuda() -> None:
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal cannot be shown here")
+    out = subprocess.run([sys.executable, str(ROOT / "hardware" / "gpu-check")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("hardware/gpu-check: refused: no CUDA device: "
+                                 "torch.cuda.is_available() is False")
+    assert not (ROOT / "reports" / "gpu" / "summary.json").exists()
+
+
+_TINY = """
+[scenario]
+name = "tiny"
+[model]
+preset = "tiny-kimi-linear"
+[prefill]
+tp = 1
+[decode]
+tp = 2
+[workload]
+requests = 1
+prompt_tokens = 100
+"""
+
+
+def test_the_lab_extra_gives_an_importable_nixl_and_matches_ci() -> None:
+    """`pip install '.[lab]'`: `nixl` (the package behind `import nixl`, picking nixl_cu12 or
+    nixl_cu13 by the CUDA it finds) at the version CI tests, plus torch for VRAM and torchrun."""
+    import tomllib
+
+    lab = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["lab"]
+    assert "nixl==1.5.1" in lab and "nixl-cu12==1.5.1" in lab
+    assert any(r.startswith("torch") for r in lab)
+    ci = (ROOT / "scripts" / "test").read_text()
+    assert "nixl-cu12==1.5.1 nixl==1.5.1" in ci and "torch==2.13.0" in ci
+
+
+def test_across_nodes_rank_0_never_binds_loopback_by_guess() -> None:
+    import argparse
+
+    from hkvsim.lab import Coordinator
+
+    env = read_torchrun_env({**TORCHRUN_ENV, "RANK": "0", "GROUP_RANK": "0",
+                             "MASTER_ADDR": "127.0.0.1"})
+    args = argparse.Namespace(bind=None)
+    with pytest.raises(EnvError, match=r"several nodes, but the route to torchrun's store "
+                                       r"\(127.0.0.1\) leaves from 127.0.0.1; give --bind ADDR"):
+        Coordinator(args, env, None, None)._bind_address()
+    assert Coordinator(argparse.Namespace(bind="10.1.2.3"), env, None, None)._bind_address() == (
+        "10.1.2.3")
+    one_node = read_torchrun_env({**TORCHRUN_ENV, "RANK": "0", "LOCAL_RANK": "0",
+                                  "WORLD_SIZE": "2", "GROUP_RANK": "0"})
+    assert Coordinator(args, one_node, None, None)._bind_address() == "127.0.0.1"
+
+
+def test_a_rank_that_cannot_reach_the_coordinator_says_so_on_its_own_stderr(tmp_path) -> None:
+    """Before its output goes to the rank log: a torchrun worker then fails the run at once
+    (hkvsim.lab exits), instead of rank 0 waiting out its startup deadline."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    code = ("import sys; from hkvsim.backends.rank import serve_rank; "
+            f"sys.exit(serve_rank('127.0.0.1', {port}, 'c', 'decode0', 1, "
+            f"{str(tmp_path / 'r.log')!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    from hkvsim.backends.rank import EXIT_UNREACHABLE
+
+    assert out.returncode == EXIT_UNREACHABLE == 6
+    assert out.stderr.startswith(f"rank decode0.1: cannot reach the coordinator at "
+                                 f"127.0.0.1:{port}: ")
+    assert not (tmp_path / "r.log").exists()
+
+
+def test_a_rank_logs_to_its_file_only_while_it_serves(tmp_path) -> None:
+    """serve_rank sends the process's output to the rank log during a run and gives it back
+    afterwards: a torchrun worker's messages in a later round reach torchrun's console, not
+    the previous round's log."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    log = tmp_path / "r.log"
+    code = ("import sys; from hkvsim.backends.rank import serve_rank\n"
+            "print('before', file=sys.stderr, flush=True)\n"
+            f"code = serve_rank('127.0.0.1', {port}, 'c', 'decode0', 1, {str(log)!r})\n"
+            "print('after', code, file=sys.stderr, flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        conn, _ = server.accept()  # a coordinator that goes away before SETUP
+        conn.recv(4096)
+        conn.close()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        server.close()
+        if proc.poll() is None:
+            proc.kill()
+    from hkvsim.backends.rank import EXIT_LOST
+
+    assert err.splitlines() == ["before", f"after {EXIT_LOST}"]
+    assert "no SETUP from the coordinator" in log.read_text()

@@ -1,0 +1,73 @@
+"""The memory estimate `plan` prints and the guard `run` applies (issue #14)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hkvsim import memory_estimate
+from hkvsim.cli import EXIT_INPUT, main
+from hkvsim.memory_estimate import MemoryGuardError, check_fits, estimate_memory
+from hkvsim.pd.deployment import build_deployment
+from hkvsim.scenario import load_scenarios
+
+ROOT = Path(__file__).resolve().parents[1]
+KIMI = ROOT / "scenarios" / "kimi-linear" / "pull-2p-tp2-to-d-tp4.toml"
+
+
+def test_cache_pages_are_the_blocks_the_requests_touch() -> None:
+    """Derived independently here: a FIFO pool touches min(blocks, blocks requested) blocks per
+    engine, each num_tensors unified pages on every rank."""
+    (s,) = load_scenarios(KIMI)
+    dep = build_deployment(s)
+    est = estimate_memory(dep)
+    want = 0
+    for role, engines in dep.engines.items():
+        lay = engines[0].layout
+        per_request = [
+            -(-(int(p) - (1 if role == "prefill" and dep.hybrid else 0)) // lay.logical_block_size)
+            * len(lay.attention_groups) + len(lay.state_groups) for p in dep.prompts]
+        blocks = min(sum(per_request), len(engines) * lay.num_logical_blocks)
+        want += blocks * lay.num_tensors * lay.unified_page_bytes * lay.tp
+    assert est.cache_pages == want > 0
+    assert est.verified > est.timing_only > est.descriptor_lists > 0
+
+
+def test_more_requests_touch_more_pages_until_the_pool_is_full() -> None:
+    (s,) = load_scenarios(KIMI)
+    dep = build_deployment(s)
+    one = estimate_memory(dep).cache_pages
+    dep.prompts = dep.prompts.repeat(1000)  # far more blocks than the pools hold
+    full = estimate_memory(dep).cache_pages
+    cap = sum(len(es) * es[0].layout.num_logical_blocks * es[0].layout.num_tensors
+              * es[0].layout.unified_page_bytes * es[0].layout.tp for es in dep.engines.values())
+    assert one < full == cap
+
+
+def test_guard_refuses_a_verified_run_that_does_not_fit() -> None:
+    (s,) = load_scenarios(KIMI)
+    need = estimate_memory(build_deployment(s)).verified
+    with pytest.raises(MemoryGuardError, match=r"needs about .* but .* is available; run it "
+                                               r"with --timing-only"):
+        check_fits(s, timing_only=False, available=need - 1)
+    check_fits(s, timing_only=False, available=need)  # fits
+    check_fits(s, timing_only=True, available=1)  # timing-only commits no cache page
+
+
+def test_run_refuses_unless_forced(monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(memory_estimate, "available_memory", lambda: 64 * 2**20)
+    assert main(["run", str(KIMI)]) == EXIT_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--force" in err and "verified run needs about" in err
+    assert main(["run", str(KIMI), "--timing-only", "--json"]) != EXIT_INPUT
+    capsys.readouterr()
+    assert main(["run", str(KIMI), "--force", "--json"]) == 0
+    assert '"verified": true' in capsys.readouterr().out
+
+
+def test_plan_prints_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(KIMI)]) == 0
+    out = capsys.readouterr().out
+    assert "peak memory (estimate): verified run 2." in out and "timing-only" in out

@@ -1,0 +1,84 @@
+"""The nixl_agent-shaped adapter over hkvsim's simulated transport (needs no vLLM)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import simpy
+
+from hkvsim.fabric import Fabric, load_profile, place_engines
+from hkvsim.implementations.vllm.agent import NixlAgentError, TransportNixlAgent, host_address
+from hkvsim.transport.sim import SimWorld
+
+N = 1 << 16
+
+
+def _pair():
+    env = simpy.Environment()
+    profile = load_profile("cpu-ucx-loopback")
+    fabric = Fabric(env, profile, place_engines(profile, [("a", "prefill", 1),
+                                                          ("b", "decode", 1)]))
+    world = SimWorld(env, fabric)
+    ta, tb = world.create_agent("t-a", ("a", 0)), world.create_agent("t-b", ("b", 0))
+    ma, mb = ta.allocate(N, mem_type="DRAM"), tb.allocate(N, mem_type="DRAM")
+    a, b = TransportNixlAgent(ta, [ma]), TransportNixlAgent(tb, [mb])
+    for agent, mem in ((a, ma), (b, mb)):
+        agent.register_memory(agent.get_reg_descs([(host_address(mem), N, 0, "")], "DRAM"))
+    return env, a, b, ma, mb
+
+
+def test_strided_read_moves_the_named_bytes_and_notifies():
+    env, a, b, ma, mb = _pair()
+    mb.array[:] = np.arange(N, dtype=np.uint64).astype(np.uint8)
+    assert a.add_remote_agent(b.get_agent_metadata()) == "t-b"
+    b.add_remote_agent(a.get_agent_metadata())
+    ha, hb = host_address(ma), host_address(mb)
+    # 4 runs of 256 B every 1 KiB, as one strided row; ids count the expanded runs
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[ha, 256, 0, 1024, 4]]),
+                              mem_type="DRAM")
+    remote = a.prep_xfer_dlist("t-b", np.array([[hb + 8192, 256, 0, 1024, 4]]), mem_type="DRAM")
+    x = a.make_prepped_xfer("READ", local, [0, 2], remote, [1, 3], notif_msg="req-7")
+    assert a.transfer(x) == "PROC"
+    env.run()
+    assert a.check_xfer_state(x) == "DONE"
+    want = np.zeros(N, np.uint8)
+    want[0:256] = mb.array[8192 + 1024:8192 + 1024 + 256]
+    want[2048:2304] = mb.array[8192 + 3072:8192 + 3072 + 256]
+    assert np.array_equal(ma.array, want)
+    assert b.get_new_notifs() == {"t-a": [b"req-7"]}
+    tel = a.get_xfer_telemetry(x)
+    assert (tel.totalBytes, tel.descCount) == (512, 2) and tel.postDuration > 0
+    a.release_xfer_handle(x)
+    with pytest.raises(NixlAgentError, match="released"):
+        a.check_xfer_state(x)
+
+
+def test_descriptors_outside_registered_memory_are_refused():
+    env, a, b, ma, mb = _pair()
+    a.add_remote_agent(b.get_agent_metadata())
+    with pytest.raises(NixlAgentError, match="not inside memory remote agent t-b registered"):
+        a.prep_xfer_dlist("t-b", np.array([[host_address(mb) + N - 8, 16, 0]]))
+    with pytest.raises(NixlAgentError, match="not inside memory this agent can register"):
+        a.register_memory(a.get_reg_descs([(host_address(ma) + N, 8, 0, "")], "DRAM"))
+    with pytest.raises(NixlAgentError, match="unknown remote agent 'nobody'"):
+        a.prep_xfer_dlist("nobody", np.array([[host_address(mb), 8, 0]]))
+    with pytest.raises(NixlAgentError, match="memory type 'HBM'"):
+        a.get_reg_descs([(host_address(ma), 8, 0, "")], "HBM")
+
+
+def test_a_malformed_peer_metadata_is_a_handshake_failure():
+    env, a, b, ma, mb = _pair()
+    with pytest.raises(NixlAgentError, match="undecodable") as err:
+        a.add_remote_agent(b"\x93garbage")
+    assert err.value.kind == "handshake_failed"
+
+
+def test_deregistration_is_counted_and_withdraws_memory():
+    env, a, b, ma, mb = _pair()
+    a.add_remote_agent(b.get_agent_metadata())
+    b.deregister_memory([(host_address(mb), N, 0, "")])
+    with pytest.raises(NixlAgentError, match="not registered"):
+        b.deregister_memory([(host_address(mb), N, 0, "")])
+    a.add_remote_agent(b.get_agent_metadata())  # the peer's newer metadata: nothing registered
+    with pytest.raises(NixlAgentError, match="registered no memory"):
+        a.prep_xfer_dlist("t-b", np.array([[host_address(mb), 8, 0]]))

@@ -1,0 +1,76 @@
+"""hkvsim diff: where hkvsim's connector core and vLLM's disagree."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hkvsim.cli import main
+from hkvsim.cluster import run_scenario
+from hkvsim.implementations.diff import compare_results, with_implementation
+from hkvsim.scenario import load_scenarios
+
+TEXT = """
+[scenario]
+name = "d"
+seed = 5
+[model]
+preset = "tiny-deepseek"
+[connector]
+implementation = "vllm"
+[prefill]
+tp = 2
+block_size = 64
+[decode]
+tp = 1
+block_size = 64
+[workload]
+requests = 2
+prompt_tokens = {tokens}
+"""
+
+
+def _load(tmp_path: Path, tokens: int = 400):
+    path = tmp_path / f"d-{tokens}.toml"
+    path.write_text(TEXT.format(tokens=tokens))
+    return path, load_scenarios(path)[0]
+
+
+def test_compare_names_each_field_that_differs(tmp_path: Path) -> None:
+    # two runs of hkvsim's own core whose prompts differ in length (one vs two 64-token
+    # blocks past the first 128): descriptors and bytes differ per request, nothing else does
+    _, short = _load(tmp_path, 130)
+    _, long = _load(tmp_path, 200)
+    a = run_scenario(with_implementation(short, "hkvsim"))
+    b = run_scenario(with_implementation(long, "hkvsim"))
+    found = compare_results("v", a, b)
+    assert {d.field for d in found} == {"descriptors", "nbytes"}
+    assert sorted({d.request for d in found}) == [0, 1]
+    assert all(d.hkvsim < d.vllm for d in found)
+    assert compare_results("v", a, a) == []
+    # the same bytes read from another source rank is a difference too
+    c = run_scenario(with_implementation(short, "hkvsim"))
+    c.records[1].telemetry[0]["path"] = ["n9g9.nvl.tx"] + list(c.records[1].telemetry[0]["path"][1:])
+    found = compare_results("v", a, c)
+    assert [(d.request, d.field) for d in found] == [(1, "sources")]
+
+
+def test_diff_agrees_on_mla_pull_and_reports_a_planted_divergence(
+        vllm_required: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    path, _ = _load(tmp_path)
+    assert main(["diff", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["differences"] == [] and data["variants"][0]["vllm_version"] == vllm_required
+    # planted bug on the vLLM side only: prefill's blocks handed over in reverse order
+    import dataclasses
+
+    from hkvsim.implementations.vllm import worker
+
+    real = worker.VllmConnectorWorker.start_read
+    monkeypatch.setattr(worker.VllmConnectorWorker, "start_read", lambda self, req: real(
+        self, dataclasses.replace(req, prefill_blocks={g: ids[::-1] for g, ids in
+                                                       req.prefill_blocks.items()})))
+    assert main(["diff", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "run: outcome: hkvsim 'ok', vllm 'corruption'" in out
+    assert "request 0: byte_exact: hkvsim True, vllm False" in out

@@ -1,0 +1,271 @@
+"""vLLM's own pull worker on the simulated fabric, checked by hkvsim's oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from hkvsim.cli import main
+from hkvsim.cluster import run_scenario
+from hkvsim.scenario import load_scenarios
+
+ROOT = Path(__file__).resolve().parents[2]
+MATRIX = ROOT / "scenarios" / "vllm" / "tp-matrix-tiny-deepseek.toml"
+
+
+def _scenario(text: str, tmp_path: Path, name: str = "s.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+PULL = """
+[scenario]
+name = "t"
+seed = 5
+[model]
+preset = "tiny-deepseek"
+[connector]
+implementation = "vllm"
+[prefill]
+tp = {p}
+block_size = 64
+[decode]
+tp = {d}
+block_size = 64
+[workload]
+requests = 2
+prompt_tokens = 200
+"""
+
+
+@pytest.mark.timeout(600)
+def test_tp_matrix_is_byte_exact_under_vllm(vllm_required: str) -> None:
+    scenarios = load_scenarios(MATRIX)
+    assert len(scenarios) == 24
+    for s in scenarios:
+        result = run_scenario(s)
+        assert result.implementation == {"name": "vllm", "version": vllm_required}
+        assert result.verified and result.outcome == "ok", (s.scenario.name, result.outcome)
+        assert all(r.status == "ok" and r.mismatched_words == 0 and r.nbytes > 0
+                   for r in result.records), s.scenario.name
+        assert result.leaks["after_shutdown"] == 0 and result.leaks["open_handles"] == 0
+
+
+def test_json_records_the_vllm_release_and_runs_reproduce(vllm_required: str, tmp_path: Path,
+                                                          capsys) -> None:
+    path = _scenario(PULL.format(p=2, d=4), tmp_path)
+    outs = []
+    for _ in range(2):
+        assert main(["run", str(path), "--json", "--requests"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]  # same bytes, same simulated times
+    data = json.loads(outs[0])
+    assert data["implementation"] == {"name": "vllm", "version": vllm_required}
+    assert data["requests"]["byte_exact"] == 2 and data["outcome"] == "ok"
+
+
+def test_a_misrouted_block_is_caught_by_the_oracle(vllm_required: str, tmp_path: Path,
+                                                   monkeypatch) -> None:
+    # planted bug: the adapter hands vLLM prefill's block ids in reverse order; vLLM's READs
+    # all complete, and only hkvsim's independent oracle can tell
+    from hkvsim.implementations.vllm import worker
+
+    real = worker.VllmConnectorWorker.start_read
+
+    def reversed_blocks(self, req):
+        flipped = {g: ids[::-1] for g, ids in req.prefill_blocks.items()}
+        return real(self, dataclasses.replace(req, prefill_blocks=flipped))
+
+    monkeypatch.setattr(worker.VllmConnectorWorker, "start_read", reversed_blocks)
+    result = run_scenario(load_scenarios(_scenario(PULL.format(p=1, d=1), tmp_path))[0])
+    assert all(r.status == "ok" for r in result.records)  # vLLM saw nothing wrong
+    assert result.outcome == "corruption"
+    assert result.corrupted == 2 and result.verified
+
+
+def test_an_assert_inside_vllm_is_a_failure_naming_its_line(vllm_required: str,
+                                                            tmp_path: Path) -> None:
+    # decode asks vLLM to pull more blocks than prefill lists: vLLM's own check refuses it
+    import numpy as np
+    import simpy
+
+    from hkvsim.fabric import Fabric, load_profile, place_engines
+    from hkvsim.geometry.layout import build_layout
+    from hkvsim.geometry.presets import preset
+    from hkvsim.implementations.vllm.engine import VllmHarness
+    from hkvsim.transport.sim import SimWorld
+
+    env = simpy.Environment()
+    profile = load_profile("h200-nvlink")
+    fabric = Fabric(env, profile, place_engines(profile, [("p", "prefill", 1), ("d", "decode", 1)]))
+    world = SimWorld(env, fabric)
+    harness = VllmHarness(lambda: env.now)
+    layout = build_layout(preset("tiny-deepseek"), tp=1, block_size=64, num_blocks=8,
+                          kv_cache_layout="HND", registration_order="sorted")
+    for eid in ("p", "d"):
+        t = world.create_agent(f"{eid}.0", (eid, 0))
+        harness.add_rank(eid, layout, 0, t, t.allocate(layout.total_bytes, mem_type="DRAM"),
+                         "prefill" if eid == "p" else "decode")
+    failure = harness.start_load(harness.engines["d"][0], "r", "r", "p", ([1, 2, 3],), ([4, 5],))
+    env.run()
+    if failure is None:  # vLLM may report it from get_finished instead
+        sending, recving = harness.engines["d"][0].worker.get_finished()
+        bad = harness.engines["d"][0].worker.get_block_ids_with_load_errors()
+        pytest.fail(f"no failure: recving={recving}, load errors={bad}, "
+                    f"posted={harness.engines['d'][0].agent.calls.get('transfer', 0)}")
+    assert failure.where.startswith("vllm/") and ".py:" in failure.where, failure
+    assert str(failure).startswith("vLLM failed at vllm/")
+    # 0.33.0: base_worker.py:3791 "assert num_decode_blocks <= len(prefill_group)";
+    # 0.26.0: base_worker.py:2263 "assert num_local_blocks <= len(remote_group)"
+    assert re.fullmatch(r"assert num_\w+_blocks <= len\(\w+_group\)", failure.what), failure
+    assert not failure.what.startswith("assert assert")
+    del np
+
+
+def test_without_vllm_a_run_says_how_to_provision_it(tmp_path: Path, capsys,
+                                                     monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not importable, provisioned or not
+    path = _scenario(PULL.format(p=1, d=1), tmp_path)
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"hkvsim: error: {path}: connector.implementation: implementation 'vllm' "
+                   f"needs vLLM, which is not importable here (import of vllm halted; None in "
+                   f"sys.modules); run it with: scripts/with-vllm 0.33.0 hkvsim run FILE")
+
+
+def test_unsupported_cases_are_one_line_errors(vllm_required: str, tmp_path: Path,
+                                               capsys) -> None:
+    text = PULL.format(p=1, d=1).replace('preset = "tiny-deepseek"', 'preset = "tiny-llama"')
+    text = text.replace("block_size = 64", "block_size = 16")
+    assert main(["run", str(_scenario(text, tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "connector.implementation: engine prefill0: GQA caches must use kv_cache_layout NHD" in err
+    assert err.count("\n") == 1
+    text = PULL.format(p=1, d=1).replace('preset = "tiny-deepseek"', 'preset = "tiny-kimi-linear"')
+    assert main(["run", str(_scenario(text, tmp_path, "k.toml"))]) == 2
+    err = capsys.readouterr().err
+    assert "connector.implementation: model 'tiny-kimi-linear' is not driven yet" in err
+    assert err.count("\n") == 1
+
+
+def test_gqa_with_homogeneous_tp_is_byte_exact_under_vllm(vllm_required: str) -> None:
+    for s in load_scenarios(ROOT / "scenarios" / "vllm" / "gqa-nhd-tiny-llama.toml"):
+        result = run_scenario(s)
+        assert result.outcome == "ok" and result.verified, s.scenario.name
+        assert result.corrupted == 0 and all(r.nbytes > 0 for r in result.records)
+
+
+def test_gqa_hetero_tp_is_refused_by_both_and_vllm_leaks_the_refused_agent(
+        vllm_required: str) -> None:
+    from hkvsim.implementations.diff import compare_results, with_implementation
+
+    path = ROOT / "scenarios" / "vllm" / "xfail-gqa-nhd-hetero-tp.toml"
+    for s in load_scenarios(path):
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        vllm = run_scenario(s)
+        assert core.handshake_errors and "V5" in core.handshake_errors[0]
+        assert vllm.handshake_errors and "requires contiguous heads" in vllm.handshake_errors[0]
+        assert "base_worker.py:" in vllm.handshake_errors[0]
+        assert compare_results(s.scenario.name, core, vllm) == []
+        assert core.leaks["after_shutdown"] == 0
+        assert vllm.leaks["after_shutdown"] >= 1  # the vLLM finding (docs/vllm.md)
+
+
+def test_no_vllm_thread_runs(vllm_required: str, tmp_path: Path, monkeypatch) -> None:
+    # determinism: vLLM's handshake executor is replaced by a synchronous one and nothing else
+    # starts a thread on the pull path, so nothing races the simulated clock
+    import threading
+
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        started.append(self.name)
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    result = run_scenario(load_scenarios(_scenario(PULL.format(p=2, d=1), tmp_path))[0])
+    assert result.outcome == "ok"
+    assert started == []
+
+
+def test_vllm_refusing_to_build_a_rank_is_one_line(vllm_required: str, tmp_path: Path, capsys,
+                                                   monkeypatch) -> None:
+    # a step inside vLLM's worker constructor raises (standing in for vLLM refusing a config)
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("cpu with cpu kv_buffer is not supported.")
+
+    monkeypatch.setattr(base_worker.NixlBaseConnectorWorker, "_sync_block_size_with_kernel",
+                        refuse)
+    path = _scenario(PULL.format(p=1, d=1), tmp_path)
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hkvsim: error: {path}: connector.implementation: prefill0 rank 0: "
+                          f"vLLM failed at vllm/distributed/kv_transfer/kv_connector/v1/nixl/"
+                          f"base_worker.py:")
+    assert "RuntimeError: cpu with cpu kv_buffer is not supported." in err
+    assert err.count("\n") == 1
+
+
+def test_vllm_on_the_real_nixl_backend_is_refused_not_run_as_hkvsim(tmp_path: Path,
+                                                                     capsys) -> None:
+    # the NIXL backend's rank processes run hkvsim's core: running them for a scenario that
+    # asks for vLLM would report hkvsim's results as vLLM's
+    path = _scenario(PULL.format(p=1, d=1), tmp_path)
+    assert main(["run", str(path), "--backend", "nixl"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"hkvsim: error: {path}: connector.implementation: implementation 'vllm' runs "
+                   f"on the simulated fabric only (--backend sim); --backend nixl is not "
+                   f"supported with it yet\n")
+
+
+def test_a_failed_transfer_fails_its_request_under_vllm(vllm_required: str) -> None:
+    from hkvsim.implementations.diff import compare_results, with_implementation
+
+    s = load_scenarios(ROOT / "scenarios" / "vllm" / "fail-transfer-tiny-deepseek.toml")[0]
+    vllm = run_scenario(s)
+    assert [r.status for r in vllm.records] == ["ok", "failed", "ok"]
+    assert vllm.records[1].failure_class == "transfer_failed"
+    assert "vLLM reported load errors for blocks" in vllm.records[1].reason
+    assert vllm.corrupted == 0 and vllm.verified
+    assert compare_results("f", run_scenario(with_implementation(s, "hkvsim")), vllm) == []
+
+
+def test_vllm_reads_the_simulated_clock(vllm_required: str) -> None:
+    # leases, heartbeats and engine TTLs inside vLLM must follow simulated time, not wall time
+    import importlib
+
+    import simpy
+
+    from hkvsim.fabric import Fabric, load_profile, place_engines
+    from hkvsim.geometry.layout import build_layout
+    from hkvsim.geometry.presets import preset
+    from hkvsim.implementations.vllm.engine import VllmHarness
+    from hkvsim.transport.sim import SimWorld
+
+    env = simpy.Environment()
+    profile = load_profile("h200-nvlink")
+    fabric = Fabric(env, profile, place_engines(profile, [("p", "prefill", 1), ("d", "decode", 1)]))
+    world = SimWorld(env, fabric)
+    harness = VllmHarness(lambda: env.now)
+    layout = build_layout(preset("tiny-deepseek"), tp=1, block_size=64, num_blocks=8,
+                          kv_cache_layout="HND", registration_order="sorted")
+    for eid in ("p", "d"):
+        t = world.create_agent(f"{eid}.0", (eid, 0))
+        harness.add_rank(eid, layout, 0, t, t.allocate(layout.total_bytes, mem_type="DRAM"),
+                         "prefill" if eid == "p" else "decode")
+    env.run(until=1234.5)
+    nixl = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+    for name in ("base_worker", "pull_worker"):
+        assert importlib.import_module(f"{nixl}.{name}").time.perf_counter() == 1234.5
+    assert harness.start_load(harness.engines["d"][0], "r", "r", "p", ([1],), ([2],)) is None
+    worker = harness.engines["d"][0].worker
+    assert worker._engine_last_active["p"] == 1234.5  # stamped at the handshake
