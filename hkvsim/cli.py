@@ -635,6 +635,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a small sweep (seconds), for smoke tests; writes nothing by default")
     p.add_argument("--json", action="store_true", help="print the fit as JSON")
+    p.add_argument("--host", action="store_true",
+                   help="instead of the sweep: fit the host-path constants (CPU copy cores, "
+                        "completion notice, coordinator message) on the FIT scenario files, "
+                        "judge them on the held-out files, and write the profile only if the "
+                        "held-out median |error| <= 15 %% and the worst <= 40 %%")
+    p.add_argument("--fit", nargs="+", default=None, metavar="FILE",
+                   help="--host: FIT scenario files (default: scenarios/fit/*.toml)")
+    p.add_argument("--held-out", nargs="+", default=None, metavar="FILE",
+                   help="--host: held-out scenario files (default: scenarios/validation/*.toml)")
+    p.add_argument("--repeats", type=int, default=3, metavar="N",
+                   help="--host: real runs per file, interleaved (default: 3)")
+    p.add_argument("--force", action="store_true",
+                   help="fit even when the 1-minute load average exceeds the core count "
+                        "(refused otherwise; the load is recorded either way)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("validate", help="run held-out scenario files on the simulator and on "

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ValidationError", "FileResult", "steady_transfer_median", "validate",
+__all__ = ["ValidationError", "FileResult", "steady_transfer_median", "validate", "with_profile",
            "write_outputs", "ACCEPT_MEDIAN", "ACCEPT_WORST"]
 
 ACCEPT_MEDIAN = 0.15  # issue #13: median |sim - real| / real over the held-out files
@@ -104,9 +104,29 @@ def _load(files: Sequence[Path]) -> list[Any]:
     return scenarios
 
 
+def with_profile(scenario: Any, profile: Path | None = None,
+                 overrides: dict[str, Any] | None = None) -> Any:
+    """``scenario`` simulated on another fabric profile file and/or with extra profile overrides
+    (the scenario's own overrides kept, ``overrides`` win)."""
+    fabric = scenario.fabric
+    update: dict[str, Any] = {}
+    if profile is not None:
+        from .fabric.profile import load_profile
+
+        load_profile(profile, overrides=dict(fabric.overrides))  # fail here, with the file named
+        update["profile"] = str(Path(profile).resolve())
+    if overrides:
+        update["overrides"] = {**fabric.overrides, **overrides}
+    if not update:
+        return scenario
+    return scenario.model_copy(update={"fabric": fabric.model_copy(update=update)})
+
+
 def validate(files: Sequence[Path], *, repeats: int = 3,
-             progress: Callable[[str], None] | None = None) -> list[FileResult]:
-    """Run every file on both backends (see the module docstring)."""
+             progress: Callable[[str], None] | None = None,
+             profile: Path | None = None) -> list[FileResult]:
+    """Run every file on both backends (see the module docstring). ``profile``: simulate with
+    this profile file instead of the one each scenario names (the real runs are unaffected)."""
     from .drivers.nixl import run_scenario_nixl
     from .drivers.sim import run_scenario
     from .results import result_json
@@ -117,7 +137,7 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
     say = progress or (lambda _text: None)
     sims = []
     for f, s in zip(files, scenarios):
-        sims.append(result_json(run_scenario(s), requests=True))
+        sims.append(result_json(run_scenario(with_profile(s, profile)), requests=True))
         say(f"sim {f.name}")
     reals: list[list[dict[str, Any]]] = [[] for _ in scenarios]
     loads: list[list[float]] = [[] for _ in scenarios]
@@ -137,7 +157,8 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
                                   f"{', '.join(r['outcome'] for r in real)}); a validation "
                                   f"file must run cleanly on both backends")
         out.append(FileResult(
-            file=str(f), scenario=s.scenario.name, profile=s.fabric.profile,
+            file=str(f), scenario=s.scenario.name,
+            profile=str(profile) if profile is not None else s.fabric.profile,
             sim_seconds=sim_t, real_seconds=tuple(float(t) for t in real_t if t is not None),
             loads=tuple(load),
             descriptors_posted=(sim["requests"]["descriptors_posted"],

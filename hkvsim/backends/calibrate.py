@@ -527,6 +527,11 @@ placement = "pack"
 memory = "DRAM"
 transport = "{v['transport']}"
 """
+    # keep the host-path block of `calibrate --host` (fitted separately, on whole scenarios)
+    old = path.read_text() if path.is_file() else ""
+    cut = old.find("\n# ---- host-path model")
+    if cut >= 0:
+        text += old[cut:]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 
@@ -658,7 +663,19 @@ def run_calibration_cli(args: Any) -> int:
     except NixlUnavailable as exc:
         print(f"hkvsim: error: {exc}", file=sys.stderr)
         return 2
+    from ..validate_fit import LoadError, check_load
+
+    if getattr(args, "host", False):
+        return _run_host_cli(args)
     quick = bool(args.quick)
+    try:
+        load, cores = check_load(force=bool(getattr(args, "force", False)) or quick)
+    except LoadError as exc:
+        print(f"hkvsim: error: {exc}", file=sys.stderr)
+        return 2
+    if load > cores:
+        print(f"hkvsim: warning: load average {load:.2f} > {cores} core(s); fitting anyway "
+              f"(--force)", file=sys.stderr)
     profile_out = Path(args.profile_out) if args.profile_out else (
         None if quick else DEFAULT_PROFILE)
     report_dir = Path(args.report_dir) if (args.report_dir and not quick) or (
@@ -688,5 +705,48 @@ def run_calibration_cli(args: Any) -> int:
         print(f"hkvsim: calibration not accepted: median error "
               f"{100 * summary['median_abs_error']:.1f} % >= {100 * ACCEPT_MEDIAN_ERROR:.0f} %; "
               f"profile not written", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_host_cli(args: Any) -> int:
+    """``hkvsim calibrate --host``: exit 0 when the held-out bounds are met and the profile is
+    written, 1 when they are not (nothing written), 2 on bad input or a loaded machine."""
+    from ..validate import ValidationError
+    from ..validate_fit import LoadError, calibrate_host
+
+    fit_files = [Path(f) for f in args.fit] if args.fit else sorted(
+        (_REPO / "scenarios" / "fit").glob("*.toml"))
+    held = [Path(f) for f in args.held_out] if args.held_out else sorted(
+        (_REPO / "scenarios" / "validation").glob("*.toml"))
+    if args.repeats < 1:
+        print(f"hkvsim: error: --repeats {args.repeats}: expected an integer >= 1",
+              file=sys.stderr)
+        return 2
+    profile_out = Path(args.profile_out) if args.profile_out else DEFAULT_PROFILE
+    try:
+        result = calibrate_host(
+            fit_files, held, profile_in=DEFAULT_PROFILE, profile_out=profile_out,
+            report_dir=Path(args.report_dir) if args.report_dir else None,
+            repeats=args.repeats, force=bool(args.force),
+            progress=lambda text: print(f"calibrate: {text}", file=sys.stderr))
+    except (LoadError, ValidationError) as exc:
+        print(f"hkvsim: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        f = result["fit"]
+        print(f"fit: {f['cores']} core(s) x {f['core_gbps']} GB/s, completion notice "
+              f"{f['completion_notice_us']} us, coordinator message "
+              f"{f['coordinator_message_us']} us")
+        if result.get("report"):
+            print(f"wrote {result['report']}")
+        if result["profile_written"]:
+            print(f"wrote {result['profile_written']}")
+    if not result["accepted"]:
+        print(f"hkvsim: calibration refused, profile not written: {result['refused']}",
+              file=sys.stderr)
         return 1
     return 0

@@ -17,7 +17,9 @@ Model of one ``Fabric.transfer``:
    share from every link they cross. Rates are recomputed whenever a flow starts or ends, after
    the remaining bytes of every active flow have been advanced at the old rates.
 3. **Latency.** ``done = wire_end + path latency`` (0 for a same-endpoint copy,
-   ``intra_node_latency`` within a node, ``inter_node_latency`` across nodes).
+   ``intra_node_latency`` within a node, ``inter_node_latency`` across nodes) ``+ the profile's
+   completion overhead`` (0 unless the profile models it). Paths, including the shared per-node
+   ``cpu`` link of host-path profiles, come from :func:`hkvsim.fabric.topology.route`.
 
 Event budget: O(1) simpy events per flow, whatever its descriptor count or size. The fabric
 keeps a single completion timer for all flows; every start or end of a flow replaces it (the old
@@ -40,7 +42,7 @@ import simpy
 
 from hkvsim.fabric.fairshare import PathGroup, max_min_rates
 from hkvsim.fabric.profile import FabricProfile
-from hkvsim.fabric.topology import Endpoint
+from hkvsim.fabric.topology import Endpoint, route
 
 __all__ = ["FabricError", "TransferTiming", "LinkSegment", "Fabric"]
 
@@ -183,21 +185,16 @@ class Fabric:
             ) from None
 
     def _route(self, src: Hashable, dst: Hashable) -> tuple[tuple[_Link, ...], float]:
-        route = self._routes.get((src, dst))
-        if route is None:
-            route = self._routes[(src, dst)] = self._new_route(src, dst)
-        return route
+        """The links of ``src -> dst`` and the delay from wire end to a transfer's completion
+        (path latency + the profile's completion overhead); cached per pair."""
+        cached = self._routes.get((src, dst))
+        if cached is None:
+            cached = self._routes[(src, dst)] = self._new_route(src, dst)
+        return cached
 
     def _new_route(self, src: Hashable, dst: Hashable) -> tuple[tuple[_Link, ...], float]:
-        a, b = self.endpoint(src), self.endpoint(dst)
-        p = self.profile
-        if a == b:
-            return (self._link(f"{a}.hbm", p.local_bandwidth),), 0.0
-        if a.node == b.node:
-            bw, lat, port = p.intra_node_bandwidth, p.intra_node_latency, "nvl"
-        else:
-            bw, lat, port = p.inter_node_bandwidth, p.inter_node_latency, "nic"
-        return (self._link(f"{a}.{port}.tx", bw), self._link(f"{b}.{port}.rx", bw)), lat
+        r = route(self.profile, self.endpoint(src), self.endpoint(dst))
+        return tuple(self._link(n, c) for n, c in r.links), r.latency + r.completion
 
     def _link(self, name: str, capacity: float) -> _Link:
         link = self._links.get(name)
@@ -211,7 +208,7 @@ class Fabric:
 
     def path_latency(self, src: Hashable, dst: Hashable) -> float:
         """One-way latency of the ``src -> dst`` path, in seconds."""
-        return self._route(src, dst)[1]
+        return route(self.profile, self.endpoint(src), self.endpoint(dst)).latency
 
     def link_capacity(self, name: str) -> float:
         """Capacity in bytes/s of a link that some flow has used."""

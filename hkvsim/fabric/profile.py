@@ -9,8 +9,21 @@ dataclass uses SI units:
 * ``*_gbps`` keys are bandwidths in GB/s (1e9 bytes/s), stored in bytes/s;
 * ``*_us`` keys are durations in microseconds, stored in seconds.
 
-Every key is required, every number must be finite and > 0, and nothing is guessed or clamped:
+Every key is required except the host-path keys below, every number must be finite and > 0, and
+nothing is guessed or clamped:
 any problem raises :class:`ProfileError` naming the file, the key, the value and what is allowed.
+
+Optional host-path keys (absent = not modelled; the GPU profiles leave them out):
+
+* ``host_copy_cores`` and ``host_copy_core_gbps`` (both or neither; DRAM profiles only): the
+  copies of a host path (UCX cma, memcpy) run on the node's CPU cores, so every flow touching a
+  node also crosses one shared link ``n<node>.cpu`` of capacity ``cores x per-core rate``, and
+  max-min fair sharing divides the node's copy capacity among all concurrent transfers of all
+  its ranks (see :func:`hkvsim.fabric.topology.route`).
+* ``completion_notice_us``: from a transfer's data landing to the rank's poll loop noticing it
+  (the loop sleeps between NIXL polls).
+* ``coordinator_message_us``: the rank's completion message to the coordinator (one local
+  socket hop plus process scheduling). Both are added to every transfer's completion time.
 ``overrides`` (e.g. a scenario's ``[fabric]`` section) use the same TOML key names and types: an
 integer key (``gpus_per_node``) takes an integer, a number key an integer or a float, a string key
 a string.
@@ -32,6 +45,7 @@ __all__ = [
     "MEMORY_KINDS",
     "PROFILE_DIR",
     "TOML_KEYS",
+    "REQUIRED_KEYS",
     "load_profile",
     "is_profile_path",
     "profile_names",
@@ -69,6 +83,7 @@ class _Field:
     kind: str  # "int" | "float" | "str"
     unit: str = ""  # "gbps" (GB/s -> bytes/s), "us" (microseconds -> seconds) or "" (as is)
     choices: tuple[str, ...] = ()
+    optional: bool = False  # absent from the file -> the dataclass default (feature off)
 
     def to_si(self, value: float) -> float:
         """TOML units -> SI. Dividing by 1e6 (not multiplying by 1e-6) keeps 30 us == 3e-05 s."""
@@ -103,12 +118,18 @@ _SCHEMA: Final[tuple[_Field, ...]] = (
     _Field("placement", "placement", "str", choices=PLACEMENTS),
     _Field("memory", "memory", "str", choices=MEMORY_KINDS),
     _Field("transport", "transport", "str"),
+    _Field("host_copy_cores", "host_copy_cores", "int", optional=True),
+    _Field("host_copy_core_bandwidth", "host_copy_core_gbps", "float", "gbps", optional=True),
+    _Field("completion_notice", "completion_notice_us", "float", "us", optional=True),
+    _Field("coordinator_message", "coordinator_message_us", "float", "us", optional=True),
 )
 _BY_KEY: Final[dict[str, _Field]] = {f.key: f for f in _SCHEMA}
 _BY_ATTR: Final[dict[str, _Field]] = {f.attr: f for f in _SCHEMA}
 
 #: The TOML keys a profile file (and an overrides mapping) may contain, in file order.
 TOML_KEYS: Final[tuple[str, ...]] = tuple(f.key for f in _SCHEMA)
+#: The keys every profile must have.
+REQUIRED_KEYS: Final[tuple[str, ...]] = tuple(f.key for f in _SCHEMA if not f.optional)
 
 
 def _allowed(spec: _Field) -> str:
@@ -169,17 +190,50 @@ class FabricProfile:
     placement: str  # "pack" | "split"
     memory: str  # "VRAM" | "DRAM"
     transport: str  # NIXL/UCX transport label, e.g. "cuda_ipc", "rc_mlx5", "cma"
+    # Host-path model (optional; None / 0.0 = not modelled), see the module docstring.
+    host_copy_cores: int | None = None  # CPU cores of a node that do the copies
+    host_copy_core_bandwidth: float | None = None  # bytes/s one core copies
+    completion_notice: float = 0.0  # seconds: the rank's poll loop noticing a completion
+    coordinator_message: float = 0.0  # seconds: the rank's completion message to the coordinator
 
     def __post_init__(self) -> None:
         for f in fields(self):
             spec = _BY_ATTR[f.name]
             value = getattr(self, f.name)
+            if spec.optional and value in (None, 0.0):
+                continue
             shown = spec.from_si(value) if spec.kind == "float" and _is_number(value) else value
             _check(spec, shown, f"FabricProfile {self.name!r}", "field for key")
+        _check_host_copy(self.host_copy_cores, self.host_copy_core_bandwidth, self.memory,
+                         f"FabricProfile {self.name!r}")
+
+    @property
+    def host_copy_capacity(self) -> float | None:
+        """Bytes/s all the copy cores of one node move together (None: not modelled)."""
+        if self.host_copy_cores is None or self.host_copy_core_bandwidth is None:
+            return None
+        return self.host_copy_cores * self.host_copy_core_bandwidth
+
+    @property
+    def completion_overhead(self) -> float:
+        """Seconds from a transfer's data landing to the coordinator knowing of it, beyond the
+        path latency: completion notice + coordinator message."""
+        return self.completion_notice + self.coordinator_message
 
     def post_time(self, descriptors: int) -> float:
         """CPU time to post one transfer of ``descriptors`` descriptors (launch + n * alpha)."""
         return self.transfer_launch + descriptors * self.per_descriptor
+
+
+def _check_host_copy(cores: Any, rate: Any, memory: str, where: str) -> None:
+    if (cores is None) != (rate is None):
+        raise ProfileError(
+            f"{where}: 'host_copy_cores' and 'host_copy_core_gbps' go together: give both "
+            "(a shared per-node CPU copy link) or neither")
+    if cores is not None and memory != "DRAM":
+        raise ProfileError(
+            f"{where}: 'host_copy_cores' with memory = {memory!r}: the host copy model applies "
+            "to memory = 'DRAM' profiles only")
 
 
 def _is_number(value: object) -> bool:
@@ -287,16 +341,20 @@ def load_profile(
         merged[key] = value
         from_override.add(key)
 
-    missing = [k for k in TOML_KEYS if k not in merged]
+    missing = [k for k in REQUIRED_KEYS if k not in merged]
     if missing:
         raise ProfileError(
             f"{where}: missing key(s) {', '.join(repr(k) for k in missing)}; "
-            f"a profile needs all of: {', '.join(TOML_KEYS)}"
+            f"a profile needs all of: {', '.join(REQUIRED_KEYS)}"
         )
 
     values: dict[str, Any] = {}
     for spec in _SCHEMA:
+        if spec.key not in merged:
+            continue  # an optional key: the dataclass default
         value = merged[spec.key]
         _check(spec, value, where, "override key" if spec.key in from_override else "key")
         values[spec.attr] = spec.to_si(value) if spec.kind == "float" else value
+    _check_host_copy(values.get("host_copy_cores"), values.get("host_copy_core_bandwidth"),
+                     values["memory"], where)
     return FabricProfile(**values)

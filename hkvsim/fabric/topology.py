@@ -8,6 +8,18 @@ Placement is deterministic and depends only on the profile and the engine list, 
   node after the last prefill node, so a prefill and a decode engine never share a node.
 
 Nodes are unbounded: the cluster grows to fit the engines.
+
+:func:`route` names the links a flow between two endpoints crosses (the fabric shares them):
+
+* same endpoint   -> ``<ep>.hbm`` (``local_bandwidth``)
+* same node       -> ``<src>.nvl.tx``, ``<dst>.nvl.rx`` (``intra_node_bandwidth`` each)
+* different nodes -> ``<src>.nic.tx``, ``<dst>.nic.rx`` (``inter_node_bandwidth`` each)
+
+and, on a profile with a host copy model (``host_copy_cores``), also ``n<node>.cpu`` of every
+node the flow touches (capacity ``host_copy_cores x host_copy_core_gbps``): on DRAM over a host
+path the copy is done by the node's CPU cores, so all concurrent transfers of all ranks of a
+node share them. The per-endpoint links above then stand for what one transfer can do alone (one
+core copying), the ``cpu`` link for what the node's cores do together.
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ from typing import Final
 
 from hkvsim.fabric.profile import FabricProfile
 
-__all__ = ["PlacementError", "Endpoint", "ROLES", "place_engines"]
+__all__ = ["PlacementError", "Endpoint", "ROLES", "Route", "place_engines", "route"]
 
 ROLES: Final[tuple[str, ...]] = ("prefill", "decode")
 
@@ -36,6 +48,34 @@ class Endpoint:
 
     def __str__(self) -> str:
         return f"n{self.node}g{self.gpu}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """The links (name, capacity in bytes/s) a flow crosses, the path's one-way latency and the
+    completion overhead (seconds) a transfer pays after its data lands."""
+
+    links: tuple[tuple[str, float], ...]
+    latency: float
+    completion: float
+
+
+def route(profile: FabricProfile, a: Endpoint, b: Endpoint) -> Route:
+    """How a flow from ``a`` to ``b`` crosses the fabric of ``profile`` (module docstring)."""
+    p = profile
+    if a == b:
+        links: list[tuple[str, float]] = [(f"{a}.hbm", p.local_bandwidth)]
+        latency = 0.0
+    else:
+        if a.node == b.node:
+            bw, latency, port = p.intra_node_bandwidth, p.intra_node_latency, "nvl"
+        else:
+            bw, latency, port = p.inter_node_bandwidth, p.inter_node_latency, "nic"
+        links = [(f"{a}.{port}.tx", bw), (f"{b}.{port}.rx", bw)]
+    cpu = p.host_copy_capacity
+    if cpu is not None:
+        links.extend((f"n{node}.cpu", cpu) for node in dict.fromkeys((a.node, b.node)))
+    return Route(tuple(links), latency, p.completion_overhead)
 
 
 class _Packer:

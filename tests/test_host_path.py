@@ -1,0 +1,219 @@
+"""The host-path model (shared per-node CPU copy link, per-request completion overheads) and its
+calibration gate (hkvsim/validate_fit.py): fit on a FIT set, refuse on held-out error."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import simpy
+
+from hkvsim.fabric import Endpoint, Fabric, ProfileError, load_profile
+from hkvsim.fabric.topology import route
+from hkvsim.validate import FileResult
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = "cpu-ucx-loopback"
+HOST = {"host_copy_cores": 2, "host_copy_core_gbps": 1.0}
+
+
+def _flows(profile: Any, pairs: list[tuple[str, str]], nbytes: int) -> list[float]:
+    """Wire times of concurrent one-descriptor transfers started together."""
+    env = simpy.Environment()
+    names = sorted({k for p in pairs for k in p})
+    fabric = Fabric(env, profile, {k: Endpoint(0, i) for i, k in enumerate(names)})
+    events = [fabric.transfer(initiator=a, src=a, dst=b, nbytes=nbytes, descriptors=1)
+              for a, b in pairs]
+    env.run()
+    return [e.value.wire_time for e in events]
+
+
+def test_optional_keys_absent_leave_the_path_as_before() -> None:
+    p = load_profile(CPU)
+    assert p.host_copy_capacity is None and p.completion_overhead == 0.0
+    r = route(p, Endpoint(0, 0), Endpoint(0, 1))
+    assert [n for n, _ in r.links] == ["n0g0.nvl.tx", "n0g1.nvl.rx"]
+    gpu = load_profile("h200-nvlink")
+    assert gpu.host_copy_capacity is None
+
+
+def test_cpu_link_is_shared_by_every_rank_of_the_node() -> None:
+    p = load_profile(CPU, overrides=HOST)  # node: 2 cores x 1 GB/s = 2 GB/s
+    assert p.host_copy_capacity == pytest.approx(2e9)
+    r = route(p, Endpoint(0, 0), Endpoint(0, 1))
+    assert r.links[-1] == ("n0.cpu", pytest.approx(2e9))
+    nbytes = 10**8
+    # one flow: capped by the node's cores (2 GB/s < the 5.7 GB/s per-rank link)
+    (alone,) = _flows(p, [("a", "b")], nbytes)
+    assert alone == pytest.approx(nbytes / 2e9, rel=1e-9)
+    # four flows between four distinct rank pairs: no per-rank link is shared, the cores are
+    four = _flows(p, [("a", "b"), ("c", "d"), ("e", "f"), ("g", "h")], nbytes)
+    assert four == pytest.approx([4 * nbytes / 2e9] * 4, rel=1e-9)
+    # without the host model the same four flows do not slow each other down
+    base = load_profile(CPU)
+    free = _flows(base, [("a", "b"), ("c", "d"), ("e", "f"), ("g", "h")], nbytes)
+    assert free == pytest.approx([nbytes / base.intra_node_bandwidth] * 4, rel=1e-9)
+
+
+def test_nodes_have_their_own_cpu_link() -> None:
+    p = load_profile(CPU, overrides={**HOST, "gpus_per_node": 2})
+    r = route(p, Endpoint(0, 0), Endpoint(1, 0))
+    assert [n for n, _ in r.links] == ["n0g0.nic.tx", "n1g0.nic.rx", "n0.cpu", "n1.cpu"]
+    assert [n for n, _ in route(p, Endpoint(1, 1), Endpoint(1, 1)).links] == [
+        "n1g1.hbm", "n1.cpu"]
+
+
+def test_completion_overheads_delay_transfers_not_notifications() -> None:
+    p = load_profile(CPU, overrides={"completion_notice_us": 300.0,
+                                     "coordinator_message_us": 20.0})
+    assert p.completion_overhead == pytest.approx(320e-6)
+    env = simpy.Environment()
+    fabric = Fabric(env, p, {"a": Endpoint(0, 0), "b": Endpoint(0, 1)})
+    ev = fabric.transfer(initiator="a", src="a", dst="b", nbytes=0, descriptors=0)
+    note = fabric.notify("a", "b")
+    env.run()
+    t = ev.value
+    assert t.done - t.wire_end == pytest.approx(p.intra_node_latency + 320e-6)
+    assert note.value == pytest.approx(p.intra_node_latency + p.notification_latency)
+    assert fabric.path_latency("a", "b") == p.intra_node_latency
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"host_copy_cores": 2}, "go together"),
+    ({"host_copy_core_gbps": 1.0}, "go together"),
+    ({"host_copy_cores": 0, "host_copy_core_gbps": 1.0}, "'host_copy_cores' = 0: expected an "
+                                                          "integer > 0"),
+    ({"host_copy_cores": 2, "host_copy_core_gbps": -1}, "expected a finite number > 0"),
+    ({"completion_notice_us": "x"}, "'completion_notice_us' = 'x'"),
+    ({**HOST, "memory": "VRAM"}, "memory = 'DRAM' profiles only"),
+])
+def test_bad_host_keys_say_what_is_allowed(overrides: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ProfileError) as err:
+        load_profile(CPU, overrides=overrides)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_dataclass_checks_the_pairing_too() -> None:
+    p = load_profile(CPU)
+    with pytest.raises(ProfileError, match="go together"):
+        replace(p, host_copy_cores=2)
+
+
+# ---- the calibration gate ----------------------------------------------------------------------
+def test_load_above_the_cores_is_refused_unless_forced() -> None:
+    from hkvsim.validate_fit import LoadError, check_load
+
+    with pytest.raises(LoadError, match=r"load average 5\.00 > 2 core\(s\).*--force"):
+        check_load(force=False, cores=2, load=5.0)
+    assert check_load(force=True, cores=2, load=5.0) == (5.0, 2)
+    assert check_load(force=False, cores=2, load=1.5) == (1.5, 2)
+
+
+def test_host_block_replaces_itself_and_loads(tmp_path: Path) -> None:
+    from hkvsim.validate_fit import HostFit, host_block, replace_host_block
+
+    meta = {"when": "now", "fit_source": "scenarios/fit/", "held_out_source": "v/",
+            "fit_files": 5, "repeats": 3, "load_min": 0.5, "load_max": 1.0, "forced": False,
+            "held_out_median": "10 %", "held_out_worst": "30 %"}
+    base = (ROOT / "hkvsim/fabric/profiles/cpu-ucx-loopback.toml").read_text()
+    once = replace_host_block(base, host_block(HostFit(2, 1.5, 250.0, 9.0), meta))
+    twice = replace_host_block(once, host_block(HostFit(2, 2.5, 100.0, 9.0), meta))
+    assert twice.count("host_copy_cores =") == 1 and "host_copy_core_gbps = 2.5" in twice
+    path = tmp_path / "p.toml"
+    path.write_text(twice)
+    p = load_profile(path)
+    assert p.host_copy_capacity == pytest.approx(5e9)
+    assert p.completion_overhead == pytest.approx(109e-6)
+    assert replace_host_block(twice, None).strip() == base.strip()
+
+
+def _result(name: str, sim: float, real: float) -> FileResult:
+    return FileResult(file=name, scenario=name, profile=CPU, sim_seconds=sim,
+                      real_seconds=(real, real * 1.1, real * 0.9), loads=(0.5, 0.5, 0.5),
+                      descriptors_posted=(1, 1), descriptors_coalesced=(1, 1),
+                      outcomes=("ok",) * 4)
+
+
+@pytest.mark.parametrize("held_err, accepted", [(0.10, True), (0.20, False)])
+def test_calibrate_host_writes_only_within_the_held_out_bounds(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, held_err: float,
+        accepted: bool) -> None:
+    import hkvsim.validate_fit as vf
+
+    fit_files = sorted((ROOT / "scenarios/fit").glob("*.toml"))[:2]
+    held_files = sorted((ROOT / "scenarios/validation").glob("*.toml"))[:3]
+    seen: list[Path | None] = []
+
+    def fake_validate(files: list[Path], *, repeats: int, progress: Any,
+                      profile: Path | None) -> list[FileResult]:
+        seen.append(profile)
+        if files == fit_files:  # the FIT runs: sim on the input profile, real = 1 ms
+            return [_result(str(f), 0.5e-3, 1e-3) for f in files]
+        text = Path(profile).read_text()  # the candidate carries the fitted constants
+        assert "host_copy_core_gbps = 1.0" in text
+        return [_result(str(f), 1e-3 * (1 + held_err), 1e-3) for f in files]
+
+    monkeypatch.setattr(vf, "validate", fake_validate)
+    monkeypatch.setattr(vf, "measure_coordinator_message", lambda: 10e-6)
+    monkeypatch.setattr(vf, "check_load", lambda force: (0.5, 2))
+    monkeypatch.setattr(vf, "fit_host", lambda sc, real, **kw: (
+        vf.HostFit(2, 1.0, 100.0, kw["coordinator_message_us"]), [1e-3] * len(real)))
+    out = tmp_path / "out.toml"
+    result = vf.calibrate_host(fit_files, held_files, profile_in=ROOT / "hkvsim/fabric/"
+                               "profiles/cpu-ucx-loopback.toml", profile_out=out,
+                               report_dir=tmp_path / "rep", repeats=3)
+    assert result["accepted"] is accepted
+    assert out.exists() is accepted
+    report = (tmp_path / "rep/host-path.md").read_text()
+    if accepted:
+        assert load_profile(out).host_copy_capacity == pytest.approx(2e9)
+        assert result["refused"] is None and "accepted: profile written" in report
+    else:
+        assert "REFUSED: no profile written" in report
+        assert "held-out median |error| 20 % (bound 15 %)" in result["refused"]
+        assert f"{held_files[0].name} +20 %" in result["refused"]
+
+
+def test_fit_and_held_out_sets_must_be_disjoint(tmp_path: Path) -> None:
+    from hkvsim.validate import ValidationError
+    from hkvsim.validate_fit import calibrate_host
+
+    f = sorted((ROOT / "scenarios/validation").glob("*.toml"))[:1]
+    with pytest.raises(ValidationError, match="both the FIT and the held-out set"):
+        calibrate_host(f, f, profile_in=ROOT / "hkvsim/fabric/profiles/cpu-ucx-loopback.toml",
+                       profile_out=None, report_dir=None, force=True)
+
+
+def test_fit_recovers_the_constants_of_a_known_profile() -> None:
+    """Real times made by the simulator itself with known constants: the fit finds them."""
+    from hkvsim.scenario import load_scenarios
+    from hkvsim.validate_fit import HostFit, _sim, fit_host
+
+    files = sorted((ROOT / "scenarios/fit").glob("*.toml"))
+    scen = [load_scenarios(f)[0] for f in files]
+    truth = HostFit(2, 0.5, 400.0, 10.0)
+    real = [_sim(s, None, truth.overrides()) for s in scen]
+    fit, sims = fit_host(scen, real, cores=2, coordinator_message_us=10.0,
+                         grid=(0.2, 0.3, 0.5, 0.8, 1.2), notice_grid=(1.0, 200.0, 400.0, 800.0))
+    assert (fit.core_gbps, fit.completion_notice_us) == (0.5, 400.0)
+    assert sims == pytest.approx(real, rel=1e-9)
+
+
+def test_sweep_calibration_refuses_a_loaded_machine(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`hkvsim calibrate` (the sweep) checks the load before measuring anything."""
+    import argparse
+    import os
+
+    import hkvsim.backends.calibrate as cal
+    import hkvsim.transport.nixl as tn
+
+    monkeypatch.setattr(tn, "load_nixl", lambda: None)
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    monkeypatch.setattr(cal, "calibrate", lambda **kw: pytest.fail("measured on a loaded box"))
+    args = argparse.Namespace(host=False, quick=False, force=False, profile_out=None,
+                              report_dir=None, budget=1.0, json=False)
+    assert cal.run_calibration_cli(args) == 2
+    assert "load average 99.00 >" in capsys.readouterr().err
