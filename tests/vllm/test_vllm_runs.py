@@ -147,10 +147,11 @@ def test_unsupported_cases_are_one_line_errors(vllm_required: str, tmp_path: Pat
     err = capsys.readouterr().err
     assert "connector.implementation: engine prefill0: GQA caches must use kv_cache_layout NHD" in err
     assert err.count("\n") == 1
-    text = PULL.format(p=1, d=1).replace('preset = "tiny-deepseek"', 'preset = "tiny-kimi-linear"')
+    text = PULL.format(p=1, d=1).replace('implementation = "vllm"',
+                                         'implementation = "vllm"\nmode = "push"')
     assert main(["run", str(_scenario(text, tmp_path, "k.toml"))]) == 2
     err = capsys.readouterr().err
-    assert "connector.implementation: model 'tiny-kimi-linear' is not driven yet" in err
+    assert "connector.implementation: mode 'push' is not driven yet" in err
     assert err.count("\n") == 1
 
 

@@ -1,0 +1,95 @@
+"""Hybrid models (attention + recurrent state over the same tensors) under vLLM's own pull worker,
+and the #49762 KimiLinear scenarios, per vLLM release."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hkvsim.cluster import run_scenario
+from hkvsim.scenario import load_scenarios
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM = ROOT / "scenarios" / "vllm"
+PR49762 = VLLM / "pr49762-kimi-linear-pull.toml"
+# vLLM 0.26.0's assert: with MLA and prefill TP > decode TP it allows one READ, but the KDA state
+# is sharded over every prefill rank, so a hybrid needs one per rank
+ASSERT_026 = "pull_worker.py:167: assert len(read_specs) == 1"
+
+
+def _byte_exact(result) -> bool:
+    return (result.outcome == "ok" and result.verified and result.corrupted == 0
+            and all(r.status == "ok" and r.mismatched_words == 0 and r.nbytes > 0
+                    for r in result.records))
+
+
+@pytest.mark.timeout(600)
+def test_pr49762_kimi_linear_pull_per_release(vllm_required: str) -> None:
+    scenarios = load_scenarios(PR49762)
+    assert len(scenarios) == 6
+    tps = {(s.prefill.tp, s.decode.tp) for s in scenarios}
+    assert {(2, 1), (1, 2), (4, 1), (1, 4)} <= tps  # heterogeneous TP both ways
+    for s in scenarios:
+        result = run_scenario(s)
+        name = s.scenario.name
+        assert result.implementation == {"name": "vllm", "version": vllm_required}
+        if vllm_required in ("0.27.0", "0.33.0"):
+            assert _byte_exact(result), (name, result.outcome)
+        elif vllm_required == "0.26.0":
+            if s.prefill.tp > s.decode.tp:  # fails loudly, vLLM's own assert named
+                assert result.outcome == "request-failure", (name, result.outcome)
+                assert all(r.status == "failed" and r.failure_class == "vllm_failure"
+                           and ASSERT_026 in (r.reason or "") for r in result.records), name
+                assert result.corrupted == 0
+            else:  # decode TP > prefill TP: one source rank per decode rank, byte-exact
+                assert _byte_exact(result), (name, result.outcome)
+        else:
+            pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+
+
+@pytest.mark.timeout(300)
+def test_gdn_hybrid_with_homogeneous_tp_is_byte_exact(vllm_required: str) -> None:
+    for s in load_scenarios(VLLM / "gdn-nhd-tiny-qwen3-next.toml"):
+        result = run_scenario(s)
+        assert _byte_exact(result), (s.scenario.name, result.outcome)
+
+
+@pytest.mark.timeout(300)
+def test_replicated_heads_into_nhd_decode_corrupts_under_vllm(vllm_required: str) -> None:
+    # the finding of docs/vllm.md: hkvsim's core refuses the pair; vLLM reports every request
+    # successful and the oracle finds the attention K/V scrambled
+    from hkvsim.implementations.diff import with_implementation
+
+    (s,) = load_scenarios(VLLM / "finding-gdn-nhd-replicated-heads.toml")
+    core = run_scenario(with_implementation(s, "hkvsim"))
+    assert core.handshake_errors and "V5" in core.handshake_errors[0]
+    result = run_scenario(s)
+    assert result.outcome == "corruption"
+    assert all(r.status == "ok" for r in result.records)  # vLLM said: success
+    assert result.corrupted == len(result.records)
+    assert any("(K/V)" in m for r in result.records for m in r.mismatches)
+
+
+@pytest.mark.timeout(300)
+def test_state_bytes_are_checked_planted_half_recurrent_state(vllm_required: str,
+                                                              monkeypatch) -> None:
+    # planted harness bug: both engines tell vLLM the recurrent state has half its heads, so
+    # vLLM moves every attention byte and conv state but only half of each recurrent state;
+    # only hkvsim's oracle, checking the state pages, can tell
+    from hkvsim.implementations.vllm import engine
+
+    real = engine.VllmHarness.mamba_spec
+
+    def half(self, layout):
+        spec = real(self, layout)
+        conv, ssm = spec.shapes
+        return type(spec)(**{**{f: getattr(spec, f) for f in spec.__dataclass_fields__},
+                             "shapes": (conv, (ssm[0] // 2, *ssm[1:]))})
+
+    monkeypatch.setattr(engine.VllmHarness, "mamba_spec", half)
+    s = next(s for s in load_scenarios(PR49762) if (s.prefill.tp, s.decode.tp) == (1, 2))
+    result = run_scenario(s)
+    assert result.outcome == "corruption"
+    text = " ".join(m for r in result.records for m in r.mismatches)
+    assert "recurrent state" in text and "(MLA)" not in text
