@@ -30,6 +30,19 @@ def test_pr49762_kimi_linear_pull_per_release(vllm_required: str) -> None:
     assert len(scenarios) == 6
     tps = {(s.prefill.tp, s.decode.tp) for s in scenarios}
     assert {(2, 1), (1, 2), (4, 1), (1, 4)} <= tps  # heterogeneous TP both ways
+    _check_per_release(scenarios, vllm_required)
+
+
+@pytest.mark.timeout(600)
+def test_kimi_linear_tp_matrix_per_release(vllm_required: str) -> None:
+    scenarios = load_scenarios(VLLM / "tp-matrix-tiny-kimi-linear.toml")
+    assert len(scenarios) == 32
+    pairs = {(s.prefill.tp, s.decode.tp, s.connector.registration_order) for s in scenarios}
+    assert len(pairs) == 32  # every pair of 1/2/4/8, both ways, two registration orders
+    _check_per_release(scenarios, vllm_required)
+
+
+def _check_per_release(scenarios, vllm_required: str) -> None:
     for s in scenarios:
         result = run_scenario(s)
         name = s.scenario.name
