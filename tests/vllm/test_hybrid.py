@@ -106,3 +106,39 @@ def test_state_bytes_are_checked_planted_half_recurrent_state(vllm_required: str
     assert result.outcome == "corruption"
     text = " ".join(m for r in result.records for m in r.mismatches)
     assert "recurrent state" in text and "(MLA)" not in text
+
+
+def test_state_kinds_vllm_cannot_split_are_one_line_refusals() -> None:
+    # needs no vLLM: the harness hands vLLM KDA and GDN state only (vLLM's connector splits conv
+    # state for Mamba1, Mamba2 and GDN; hkvsim's Mamba2 page is not mapped yet)
+    import dataclasses
+
+    from hkvsim.geometry.presets import preset
+    from hkvsim.geometry.specs import mamba2_state
+    from hkvsim.implementations.vllm.engine import unsupported
+
+    kimi = preset("tiny-kimi-linear")
+    assert unsupported(kimi, "pull", "0.33.0") is None
+    assert unsupported(preset("tiny-qwen3-next"), "pull", "0.26.0") is None
+    m2 = dataclasses.replace(kimi, state=mamba2_state(
+        intermediate_size=256, n_groups=1, d_state=16, num_heads=8, head_dim=32, conv_kernel=4))
+    why = unsupported(m2, "pull", "0.33.0")
+    assert why is not None and "state kind 'mamba2'" in why and "allowed: gdn, kda" in why
+    assert "\n" not in why
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_runs_reproduce(vllm_required: str, tmp_path: Path, capsys) -> None:
+    from hkvsim.cli import main
+
+    text = PR49762.read_text()
+    head = text.split("[sweep]")[0]
+    path = tmp_path / "k.toml"
+    path.write_text(head.replace("[prefill]\n", "[prefill]\ntp = 2\n")
+                    .replace("[decode]\n", "[decode]\ntp = 4\n")
+                    + '[expect]\noutcome = "ok"\n')
+    outs = []
+    for _ in range(2):
+        assert main(["run", str(path), "--json", "--requests"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]  # same bytes, same simulated times
