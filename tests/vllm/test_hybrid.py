@@ -42,7 +42,30 @@ def test_kimi_linear_tp_matrix_per_release(vllm_required: str) -> None:
     _check_per_release(scenarios, vllm_required)
 
 
-def _check_per_release(scenarios, vllm_required: str) -> None:
+PUSH_ASSERT_026 = "push_worker.py:518: assert len(plan.all_source_ranks) == 1"
+
+
+@pytest.mark.timeout(600)
+def test_pr49762_kimi_linear_push_per_release(vllm_required: str) -> None:
+    scenarios = load_scenarios(VLLM / "pr49762-kimi-linear-push.toml")
+    assert len(scenarios) == 6 and all(s.connector.mode == "push" for s in scenarios)
+    tps = {(s.prefill.tp, s.decode.tp) for s in scenarios}
+    assert {(2, 1), (1, 2), (4, 1), (1, 4)} <= tps
+    # 0.26.0 push: prefill TP < decode TP fails at vLLM's single-target assert
+    _check_per_release(scenarios, vllm_required, fails_026=lambda p, d: p < d,
+                       assert_026=PUSH_ASSERT_026)
+
+
+@pytest.mark.timeout(600)
+def test_push_tp_matrix_tiny_deepseek_per_release(vllm_required: str) -> None:
+    scenarios = load_scenarios(VLLM / "push-tp-matrix-tiny-deepseek.toml")
+    assert len({(s.prefill.tp, s.decode.tp) for s in scenarios}) == 16
+    _check_per_release(scenarios, vllm_required, fails_026=lambda p, d: p < d,
+                       assert_026=PUSH_ASSERT_026)
+
+
+def _check_per_release(scenarios, vllm_required: str, *, fails_026=lambda p, d: p > d,
+                       assert_026: str = ASSERT_026) -> None:
     for s in scenarios:
         result = run_scenario(s)
         name = s.scenario.name
@@ -50,10 +73,10 @@ def _check_per_release(scenarios, vllm_required: str) -> None:
         if vllm_required in ("0.27.0", "0.33.0"):
             assert _byte_exact(result), (name, result.outcome)
         elif vllm_required == "0.26.0":
-            if s.prefill.tp > s.decode.tp:  # fails loudly, vLLM's own assert named
+            if fails_026(s.prefill.tp, s.decode.tp):  # fails loudly, vLLM's own assert named
                 assert result.outcome == "request-failure", (name, result.outcome)
                 assert all(r.status == "failed" and r.failure_class == "vllm_failure"
-                           and ASSERT_026 in (r.reason or "") for r in result.records), name
+                           and assert_026 in (r.reason or "") for r in result.records), name
                 assert result.corrupted == 0
             else:  # decode TP > prefill TP: one source rank per decode rank, byte-exact
                 assert _byte_exact(result), (name, result.outcome)
@@ -142,3 +165,27 @@ def test_hybrid_runs_reproduce(vllm_required: str, tmp_path: Path, capsys) -> No
         assert main(["run", str(path), "--json", "--requests"]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1]  # same bytes, same simulated times
+
+
+@pytest.mark.timeout(300)
+def test_a_misrouted_push_write_is_caught_by_the_oracle(vllm_required: str,
+                                                        monkeypatch) -> None:
+    # planted bug: the harness hands vLLM's push worker decode's block ids in reverse order;
+    # vLLM's WRITEs all complete into the request's own blocks, only the oracle can tell
+    from hkvsim.implementations.vllm import engine
+
+    real = engine.VllmHarness.start_push
+
+    def reversed_remote(self, rank, p_rid, decode, d_rid, local, remote):
+        return real(self, rank, p_rid, decode, d_rid, local,
+                    tuple(list(reversed(g)) for g in remote))
+
+    monkeypatch.setattr(engine.VllmHarness, "start_push", reversed_remote)
+    s = next(s for s in load_scenarios(VLLM / "pr49762-kimi-linear-push.toml")
+             if (s.prefill.tp, s.decode.tp) == (2, 1))
+    result = run_scenario(s)
+    assert result.outcome == "corruption"
+    # requests 0 and 1 span several logical blocks; request 2 (300 tokens) fits in one, which
+    # reversing leaves in place
+    assert result.corrupted == 2
+    assert all(r.status == "ok" for r in result.records)  # vLLM said: success

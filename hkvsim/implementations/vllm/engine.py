@@ -14,7 +14,10 @@ thread runs (handshakes complete synchronously); vLLM's ``time.perf_counter`` re
 clock. A failure inside vLLM (an assert, an exception) becomes a rank failure naming vLLM's
 file:line (:class:`VllmFailure`), never an hkvsim crash.
 
-Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0 and 0.33.0, pull; MLA, GQA with NHD caches, and the
+Push: every rank runs vLLM's push worker without its writer thread; the harness calls its
+``_do_start_push_kv`` once hkvsim's coordinator has matched a registration (:meth:`start_push`).
+
+Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0 and 0.33.0, pull and push; MLA, GQA with NHD caches, and the
 hybrids with KDA or GDN state (handed to vLLM as a GDN ``MambaSpec`` over the shared tensors).
 """
 
@@ -133,8 +136,8 @@ def unsupported(model: ModelSpec, mode: str, version: str) -> str | None:
     if version not in RUNNABLE_VERSIONS:
         return (f"vLLM {version} is not driven by this harness yet (runnable: "
                 f"{', '.join(RUNNABLE_VERSIONS)})")
-    if mode != "pull":
-        return f"mode {mode!r} is not driven yet with implementation 'vllm' (allowed: pull)"
+    if mode not in ("pull", "push"):
+        return f"mode {mode!r} is not driven with implementation 'vllm' (allowed: pull, push)"
     if model.state is not None and model.state.kind not in _STATE_KINDS:
         return (f"state kind {model.state.kind!r} of model {model.name!r} is not driven yet with "
                 f"implementation 'vllm' (allowed: {', '.join(sorted(_STATE_KINDS))}, e.g. "
@@ -166,6 +169,16 @@ class _Clock(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+
+class _NoThread:
+    """Stands in for vLLM's push writer thread, which the harness never starts."""
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, *args: Any, **kw: Any) -> None:
+        return None
 
 
 class _SyncExecutor:
@@ -355,6 +368,7 @@ class VllmHarness:
             raise VllmUnavailable(f"vLLM {self.version} is importable but this harness drives "
                                   f"only {', '.join(RUNNABLE_VERSIONS)} today")
         self.now = now
+        self.mode = "pull"  # or "push": which of vLLM's workers every rank runs
         self.source: str | None = None  # the scenario file, for error lines
         self.engines: dict[str, list[VllmRank]] = {}
         self._building: VllmRank | None = None
@@ -471,17 +485,21 @@ class VllmHarness:
     def build_worker(self, rank: VllmRank) -> Any:
         import importlib
 
-        pw = importlib.import_module(f"{_NIXL}.pull_worker")
         from vllm.config import set_current_vllm_config
 
+        if self.mode == "push":
+            cls = importlib.import_module(f"{_NIXL}.push_worker").NixlPushConnectorWorker
+        else:
+            cls = importlib.import_module(f"{_NIXL}.pull_worker").NixlPullConnectorWorker
         self._building = rank
         try:
             config = self.vllm_config(rank)
             with set_current_vllm_config(config):
-                worker = pw.NixlPullConnectorWorker(config, rank.engine_id,
-                                                    self.kv_cache_config(rank))
+                worker = cls(config, rank.engine_id, self.kv_cache_config(rank))
             worker._handshake_initiation_executor.shutdown(wait=False)
             worker._handshake_initiation_executor = _SyncExecutor()
+            if self.mode == "push":  # no writer thread: the harness posts the WRITEs itself
+                worker._push_writer_thread = _NoThread()
             worker.register_kv_caches(rank.kv_caches())
         except Exception as exc:
             raise vllm_failure(exc) from exc
@@ -559,6 +577,24 @@ class VllmHarness:
         remote = ([int(b) for b in remote_blocks],)
         return {r.rank: self.start_load(r, request_id, request_id, prefill, local, remote)
                 for r in self.engines[decode]}
+
+    def start_push(self, rank: VllmRank, prefill_request_id: str, decode: str,
+                   decode_request_id: str, local: tuple[list[int], ...],
+                   remote: tuple[list[int], ...]) -> VllmFailure | None:
+        """Push: vLLM's prefill worker WRITEs ``prefill_request_id``'s blocks into decode's
+        registered blocks (what its writer thread does once a decode registration matches the
+        finished request: ``_do_start_push_kv``). The registration protocol between the
+        engines stays hkvsim's coordinator's."""
+        self.expect_send(rank, prefill_request_id)
+        registration = {"request_id": decode_request_id, "decode_engine_id": decode,
+                        "decode_host": decode, "decode_port": 5600,
+                        "decode_tp_size": len(self.engines[decode]),
+                        "local_block_ids": remote}
+        try:
+            rank.worker._do_start_push_kv(prefill_request_id, local, registration)
+        except Exception as exc:
+            return vllm_failure(exc)
+        return None
 
     def finished(self, engine: str) -> dict[int, tuple[set[str], set[str], VllmFailure | None]]:
         """(done sending, done receiving, failure) per rank of ``engine`` (vLLM's

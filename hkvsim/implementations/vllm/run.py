@@ -54,6 +54,7 @@ def vllm_worker_factory(dep: Deployment, *, now: Callable[[], float], moves_byte
 
     harness = VllmHarness(now)
     harness.source = source
+    harness.mode = scenario.connector.mode
 
     def make(**kw: Any) -> VllmConnectorWorker:
         return VllmConnectorWorker(harness=harness, **kw)
