@@ -82,3 +82,14 @@ def test_deregistration_is_counted_and_withdraws_memory():
     a.add_remote_agent(b.get_agent_metadata())  # the peer's newer metadata: nothing registered
     with pytest.raises(NixlAgentError, match="registered no memory"):
         a.prep_xfer_dlist("t-b", np.array([[host_address(mb), 8, 0]]))
+
+
+def test_descriptor_ids_are_cast_from_whole_floats_as_nixl_does() -> None:
+    # NIXL's binding casts a float id array (vLLM 0.27 builds one when a group's block list is
+    # empty: np.asarray([]) is float64); a fractional id stays an error
+    from hkvsim.implementations.vllm.agent import _indices
+
+    out = _indices(np.concatenate([np.asarray([]), np.array([3, 4])]))
+    assert out.dtype == np.int64 and out.tolist() == [3, 4]
+    assert _indices([1, 2]).dtype.kind in "iu"
+    assert _indices(np.array([0.5])).dtype.kind == "f"  # left for the transport to refuse

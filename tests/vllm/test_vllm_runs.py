@@ -147,10 +147,10 @@ def test_unsupported_cases_are_one_line_errors(vllm_required: str, tmp_path: Pat
     err = capsys.readouterr().err
     assert "connector.implementation: engine prefill0: GQA caches must use kv_cache_layout NHD" in err
     assert err.count("\n") == 1
-    text = PULL.format(p=1, d=1).replace('preset = "tiny-deepseek"', 'preset = "tiny-kimi-linear"')
+    text = PULL.format(p=1, d=1).replace("prompt_tokens = 200", "prompt_tokens = 200\nverify = false")
     assert main(["run", str(_scenario(text, tmp_path, "k.toml"))]) == 2
     err = capsys.readouterr().err
-    assert "connector.implementation: model 'tiny-kimi-linear' is not driven yet" in err
+    assert "connector.implementation: vLLM's connector needs real cache bytes" in err
     assert err.count("\n") == 1
 
 
@@ -177,9 +177,10 @@ def test_gqa_hetero_tp_is_refused_by_both_and_vllm_leaks_the_refused_agent(
         assert vllm.leaks["after_shutdown"] >= 1  # the vLLM finding (docs/vllm.md)
 
 
-def test_no_vllm_thread_runs(vllm_required: str, tmp_path: Path, monkeypatch) -> None:
-    # determinism: vLLM's handshake executor is replaced by a synchronous one and nothing else
-    # starts a thread on the pull path, so nothing races the simulated clock
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_no_vllm_thread_runs(vllm_required: str, tmp_path: Path, monkeypatch, mode: str) -> None:
+    # determinism: vLLM's handshake executor is replaced by a synchronous one, push's writer
+    # thread is never started, and nothing else starts a thread, so nothing races the clock
     import threading
 
     started: list[str] = []
@@ -190,7 +191,9 @@ def test_no_vllm_thread_runs(vllm_required: str, tmp_path: Path, monkeypatch) ->
         return real_start(self)
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    result = run_scenario(load_scenarios(_scenario(PULL.format(p=2, d=1), tmp_path))[0])
+    text = PULL.format(p=2, d=1).replace('implementation = "vllm"',
+                                         f'implementation = "vllm"\nmode = "{mode}"')
+    result = run_scenario(load_scenarios(_scenario(text, tmp_path))[0])
     assert result.outcome == "ok"
     assert started == []
 

@@ -296,8 +296,8 @@ class TransportNixlAgent:
                           backends: Any = None, skip_desc_merge: bool = False) -> int:
         self._count("make_prepped_xfer")
         handle = self._call(self.transport.make_prepped_xfer, operation, local_xfer_side,
-                          np.asarray(local_indices), remote_xfer_side,
-                          np.asarray(remote_indices), _message(notif_msg))
+                          _indices(local_indices), remote_xfer_side,
+                          _indices(remote_indices), _message(notif_msg))
         self._created.append(handle)
         return handle
 
@@ -371,6 +371,17 @@ class TransportNixlAgent:
             return fn(*args, **kw)
         except TransportError as exc:
             raise NixlAgentError(str(exc), kind=kind or exc.kind) from None
+
+
+def _indices(ids: Any) -> np.ndarray:
+    """Descriptor indices as NIXL's binding takes them: it casts a float array to integers
+    (vLLM 0.27 passes float64 ids when a group's block list is empty: ``np.asarray([])`` is
+    float). Whole-valued floats are cast here too; a fractional id stays an error (NIXL would
+    truncate it silently), and so does anything else the transport refuses."""
+    arr = np.asarray(ids)
+    if arr.size and arr.dtype.kind == "f" and np.array_equal(arr, np.floor(arr)):
+        return arr.astype(np.int64)
+    return arr
 
 
 def _message(msg: Any) -> bytes:

@@ -14,8 +14,11 @@ thread runs (handshakes complete synchronously); vLLM's ``time.perf_counter`` re
 clock. A failure inside vLLM (an assert, an exception) becomes a rank failure naming vLLM's
 file:line (:class:`VllmFailure`), never an hkvsim crash.
 
-Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0 and 0.33.0, pull, models without state (MLA; GQA with
-NHD caches).
+Push: every rank runs vLLM's push worker without its writer thread; the harness calls its
+``_do_start_push_kv`` once hkvsim's coordinator has matched a registration (:meth:`start_push`).
+
+Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0 and 0.33.0, pull and push; MLA, GQA with NHD caches, and the
+hybrids with KDA or GDN state (handed to vLLM as a GDN ``MambaSpec`` over the shared tensors).
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ def load_vllm() -> str:
     the provisioning command when vLLM is not importable."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # state pages in hkvsim are DS (channel-first conv), the layout vLLM's connector requires
+    os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     # vLLM's own logging setup writes INFO lines to stdout (0.26), which would corrupt --json:
     # leave its loggers to Python's defaults (warnings and errors on stderr)
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -131,13 +136,19 @@ def unsupported(model: ModelSpec, mode: str, version: str) -> str | None:
     if version not in RUNNABLE_VERSIONS:
         return (f"vLLM {version} is not driven by this harness yet (runnable: "
                 f"{', '.join(RUNNABLE_VERSIONS)})")
-    if mode != "pull":
-        return f"mode {mode!r} is not driven yet with implementation 'vllm' (allowed: pull)"
-    if model.state is not None:
-        return (f"model {model.name!r} is not driven yet with implementation 'vllm' (allowed: "
-                f"models without state: MLA, e.g. tiny-deepseek, and GQA with "
-                f"kv_cache_layout NHD, e.g. tiny-llama)")
+    if mode not in ("pull", "push"):
+        return f"mode {mode!r} is not driven with implementation 'vllm' (allowed: pull, push)"
+    if model.state is not None and model.state.kind not in _STATE_KINDS:
+        return (f"state kind {model.state.kind!r} of model {model.name!r} is not driven yet with "
+                f"implementation 'vllm' (allowed: {', '.join(sorted(_STATE_KINDS))}, e.g. "
+                f"tiny-kimi-linear, tiny-qwen3-next)")
     return None
+
+
+# hkvsim state kinds this harness hands vLLM as a MambaSpec, and the mamba type it names: KDA is
+# GDN with Q = K = V columns and square (d, d) recurrent heads, so vLLM's GDN conv split (Q|K|V,
+# dim(Q) == dim(K)) and its (heads, dv, dk) temporal state describe hkvsim's KDA page exactly
+_STATE_KINDS = {"gdn": "GDN_ATTN", "kda": "GDN_ATTN"}
 
 
 # ---- the simulated clock and in-process handshakes ------------------------------------------
@@ -158,6 +169,16 @@ class _Clock(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+
+class _NoThread:
+    """Stands in for vLLM's push writer thread, which the harness never starts."""
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, *args: Any, **kw: Any) -> None:
+        return None
 
 
 class _SyncExecutor:
@@ -244,6 +265,20 @@ def _params(cls: Any) -> set[str]:
     return set(inspect.signature(cls).parameters)
 
 
+def _mamba_cache_is_tuple() -> bool:
+    """vLLM 0.26 hands the connector each state layer's cache as a (conv, ssm) pair of views;
+    later releases (0.27 on) one view. Detected from the connector's own unpacking."""
+    import importlib
+    import inspect
+
+    utils = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.utils")
+    for cls in vars(utils).values():
+        method = getattr(cls, "get_transfer_cache_regions", None) if isinstance(cls, type) else None
+        if method is not None and "conv, ssm = cache" in inspect.getsource(method):
+            return True
+    return False
+
+
 def _torch_dtype(name: str) -> Any:
     import torch
 
@@ -274,9 +309,12 @@ class VllmRank:
         mla = isinstance(attn, MLAAttentionSpec)
         dtype = _torch_dtype(attn.cache_dtype or attn.dtype if mla else attn.dtype)
         caches = {}
+        state_layers = set(layout.model.state_layers)
         for region in layout.regions:
             raw = self.memory.array[region.tensor_offset:region.tensor_offset
                                     + region.tensor_bytes]
+            for layer in (lay for lay in region.layers if lay in state_layers):
+                caches[self.layer_name(layer)] = self.state_view(torch.from_numpy(raw))
             t = torch.from_numpy(raw).view(dtype)
             if mla:  # (blocks, tokens, latent + rope)
                 shape = (layout.num_kernel_blocks, layout.kernel_block_size,
@@ -285,8 +323,40 @@ class VllmRank:
                 shape = (layout.num_kernel_blocks, layout.kernel_block_size,
                          attn.heads_per_rank(layout.tp), 2 * attn.head_dim)
             for layer in region.layers:
-                caches[self.layer_name(layer)] = t.view(*shape)
-        return caches
+                if layer not in state_layers:
+                    caches[self.layer_name(layer)] = t.view(*shape)
+        # handed over in the layout's registration order (releases that walk the dict register
+        # in this order; later ones sort the names themselves)
+        order = [self.layer_name(layer) for layer in layout.registration_order]
+        return {name: caches[name] for name in order if name in caches}
+
+    def state_view(self, raw: Any) -> Any:
+        """A state layer's conv view over a shared tensor, as vLLM's model runner makes it: DS
+        conv state (blocks, conv columns, rows) at the start of each logical page (the
+        recurrent state follows it in the page; vLLM's connector reads the MambaSpec for it)."""
+        import torch
+
+        layout = self.layout
+        state = layout.model.state
+        assert state is not None
+        t = raw.view(_torch_dtype(state.conv_dtype))
+        cols = sum(state.conv_columns_per_rank(layout.tp))
+        el = t.element_size()
+        conv = torch.as_strided(t, (layout.num_logical_blocks, cols, state.conv_rows),
+                                (layout.unified_page_bytes // el, state.conv_rows, 1))
+        if not _mamba_cache_is_tuple():
+            return conv
+        # 0.26: a state layer's cache is the (conv, ssm) pair of views
+        s = raw[state.conv_bytes(layout.tp):].view(_torch_dtype(state.recurrent_dtype))
+        heads = state.recurrent_heads // layout.tp
+        shape = (layout.num_logical_blocks, heads, *state.recurrent_head_shape)
+        el = s.element_size()
+        strides = [layout.unified_page_bytes // el]
+        inner = [1]
+        for dim in reversed((heads, *state.recurrent_head_shape)[1:]):
+            inner.insert(0, inner[0] * dim)
+        ssm = torch.as_strided(s, shape, tuple(strides + inner))
+        return (conv, ssm)
 
 
 class VllmHarness:
@@ -298,6 +368,7 @@ class VllmHarness:
             raise VllmUnavailable(f"vLLM {self.version} is importable but this harness drives "
                                   f"only {', '.join(RUNNABLE_VERSIONS)} today")
         self.now = now
+        self.mode = "pull"  # or "push": which of vLLM's workers every rank runs
         self.source: str | None = None  # the scenario file, for error lines
         self.engines: dict[str, list[VllmRank]] = {}
         self._building: VllmRank | None = None
@@ -347,6 +418,10 @@ class VllmHarness:
         # vLLM's CPU platform rewrites the block size for its own attention backend; the engine
         # this stands for runs the GPU backend the layout names
         config.cache_config.block_size = layout.logical_block_size
+        if layout.is_hybrid:
+            # a hybrid model runs with vLLM's hybrid KV-cache manager (the config derived here
+            # from a stand-in HF model without state layers may have turned it off)
+            config.scheduler_config.disable_hybrid_kv_cache_manager = False
         return config
 
     def kv_cache_config(self, rank: VllmRank) -> Any:
@@ -370,7 +445,11 @@ class VllmHarness:
             spec = FullAttentionSpec(block_size=layout.logical_block_size,
                                      num_kv_heads=attn.heads_per_rank(layout.tp),
                                      head_size=attn.head_dim, dtype=dtype)
-        names = [rank.layer_name(layer) for layer in layout.model.attention_layers]
+        groups = []
+        for g in layout.groups:
+            names = [rank.layer_name(layer) for layer in g.layers]
+            groups.append(KVCacheGroupSpec(names, spec if g.kind == "attention"
+                                           else self.mamba_spec(layout)))
         fields = _params(KVCacheTensor)
         tensors = []
         for r in layout.regions:
@@ -382,22 +461,45 @@ class VllmHarness:
             else:  # 0.26: shared_by
                 tensors.append(KVCacheTensor(size=r.tensor_bytes, shared_by=names_r))
         return KVCacheConfig(num_blocks=layout.num_logical_blocks, kv_cache_tensors=tensors,
-                             kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+                             kv_cache_groups=groups)
+
+    def mamba_spec(self, layout: EngineLayout) -> Any:
+        """vLLM's MambaSpec for the model's state layers on this rank: shapes (DS conv (columns,
+        rows), recurrent (heads, *head shape)), padded to the unified page."""
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        state = layout.model.state
+        assert state is not None
+        shapes = ((sum(state.conv_columns_per_rank(layout.tp)), state.conv_rows),
+                  (state.recurrent_heads // layout.tp, *state.recurrent_head_shape))
+        extra: dict[str, Any] = {}
+        fields = _params(MambaSpec)
+        if "mamba_type" in fields:
+            extra["mamba_type"] = getattr(MambaAttentionBackendEnum, _STATE_KINDS[state.kind])
+        return MambaSpec(block_size=layout.logical_block_size, shapes=shapes,
+                         dtypes=(_torch_dtype(state.conv_dtype),
+                                 _torch_dtype(state.recurrent_dtype)),
+                         page_size_padded=layout.unified_page_bytes, **extra)
 
     def build_worker(self, rank: VllmRank) -> Any:
         import importlib
 
-        pw = importlib.import_module(f"{_NIXL}.pull_worker")
         from vllm.config import set_current_vllm_config
 
+        if self.mode == "push":
+            cls = importlib.import_module(f"{_NIXL}.push_worker").NixlPushConnectorWorker
+        else:
+            cls = importlib.import_module(f"{_NIXL}.pull_worker").NixlPullConnectorWorker
         self._building = rank
         try:
             config = self.vllm_config(rank)
             with set_current_vllm_config(config):
-                worker = pw.NixlPullConnectorWorker(config, rank.engine_id,
-                                                    self.kv_cache_config(rank))
+                worker = cls(config, rank.engine_id, self.kv_cache_config(rank))
             worker._handshake_initiation_executor.shutdown(wait=False)
             worker._handshake_initiation_executor = _SyncExecutor()
+            if self.mode == "push":  # no writer thread: the harness posts the WRITEs itself
+                worker._push_writer_thread = _NoThread()
             worker.register_kv_caches(rank.kv_caches())
         except Exception as exc:
             raise vllm_failure(exc) from exc
@@ -475,6 +577,24 @@ class VllmHarness:
         remote = ([int(b) for b in remote_blocks],)
         return {r.rank: self.start_load(r, request_id, request_id, prefill, local, remote)
                 for r in self.engines[decode]}
+
+    def start_push(self, rank: VllmRank, prefill_request_id: str, decode: str,
+                   decode_request_id: str, local: tuple[list[int], ...],
+                   remote: tuple[list[int], ...]) -> VllmFailure | None:
+        """Push: vLLM's prefill worker WRITEs ``prefill_request_id``'s blocks into decode's
+        registered blocks (what its writer thread does once a decode registration matches the
+        finished request: ``_do_start_push_kv``). The registration protocol between the
+        engines stays hkvsim's coordinator's."""
+        self.expect_send(rank, prefill_request_id)
+        registration = {"request_id": decode_request_id, "decode_engine_id": decode,
+                        "decode_host": decode, "decode_port": 5600,
+                        "decode_tp_size": len(self.engines[decode]),
+                        "local_block_ids": remote}
+        try:
+            rank.worker._do_start_push_kv(prefill_request_id, local, registration)
+        except Exception as exc:
+            return vllm_failure(exc)
+        return None
 
     def finished(self, engine: str) -> dict[int, tuple[set[str], set[str], VllmFailure | None]]:
         """(done sending, done receiving, failure) per rank of ``engine`` (vLLM's
@@ -558,6 +678,17 @@ def _install_patches() -> None:
     bw.get_current_attn_backends_and_specs = (
         lambda _c, _k, fallback: (fallback, [None] * len(fallback)))
     bw.current_platform = _Platform(bw.current_platform)
+    # the caches are host memory: host-to-"device" index copies need no pinned buffer (0.27's
+    # receive post-processing pins one, which CPU-only torch cannot)
+    with contextlib.suppress(ImportError):
+        torch_utils = importlib.import_module("vllm.utils.torch_utils")
+        if hasattr(torch_utils, "PIN_MEMORY"):
+            torch_utils.PIN_MEMORY = False
+    # the kernel block is the one hkvsim's layout names (vLLM would pick the largest size its
+    # backend supports that divides the logical block: for flash-attn hybrids the whole logical
+    # block, where hkvsim keeps the requested one; docs/vllm.md)
+    if hasattr(bw, "select_common_block_size"):
+        bw.select_common_block_size = lambda *_a, **_k: _building().layout.kernel_block_size
     # 0.26: the worker reads the layout from get_kv_cache_layout(), not from the cache config;
     # the caches built here are NHD-interleaved (LBNHC), so say so
     with contextlib.suppress(ImportError):

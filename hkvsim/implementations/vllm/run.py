@@ -35,7 +35,7 @@ def vllm_worker_factory(dep: Deployment, *, now: Callable[[], float], moves_byte
                "true, no --timing-only)")
     if why is None:
         for spec in dep.all_engines():
-            if spec.layout.physical_blocks_per_logical != 1:
+            if spec.layout.physical_blocks_per_logical != 1 and not dep.model.is_hybrid:
                 why = (f"engine {spec.engine_id}: the logical block must equal the kernel block "
                        f"({spec.layout.kernel_block_size} tokens) with vLLM's connector today")
                 break
@@ -54,6 +54,7 @@ def vllm_worker_factory(dep: Deployment, *, now: Callable[[], float], moves_byte
 
     harness = VllmHarness(now)
     harness.source = source
+    harness.mode = scenario.connector.mode
 
     def make(**kw: Any) -> VllmConnectorWorker:
         return VllmConnectorWorker(harness=harness, **kw)

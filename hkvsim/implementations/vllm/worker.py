@@ -13,6 +13,9 @@ oracle run vLLM's connector:
   blocks; an exception inside vLLM fails the rank's in-flight requests with vLLM's file:line.
 - prefill side: notifications are handed to the coordinator unparsed, as hkvsim's own worker
   does (the coordinator plays vLLM's scheduler: it holds the blocks until they arrive).
+- push: ``start_write`` has vLLM's push worker post the WRITEs (``_do_start_push_kv``); a
+  request is done when vLLM lists it as done sending. Registrations and the counting of WRITE
+  notifications stay the coordinator's: both sides hand it their raw notifications.
 """
 
 from __future__ import annotations
@@ -45,20 +48,22 @@ class _Flight:
 
 
 class VllmConnectorWorker:
-    """One rank whose connector is vLLM's (pull mode)."""
+    """One rank whose connector is vLLM's (pull or push)."""
 
     def __init__(self, *, harness: VllmHarness, engine_id: str, role: str, tp_rank: int,
                  layout: EngineLayout, transport: Transport, settings: ConnectorSettings,
                  device_id: int = 0) -> None:
-        if settings.mode != "pull":
+        if settings.mode not in ("pull", "push"):
             raise HandshakeError("V1", f"implementation 'vllm': mode {settings.mode!r} is not "
-                                       f"driven yet (allowed: pull)")
+                                       f"driven (allowed: pull, push)")
+        self.push = settings.mode == "push"
         self.harness, self.engine_id, self.role, self.tp_rank = harness, engine_id, role, tp_rank
         self.layout, self.model, self.transport = layout, layout.model, transport
         self.settings, self.device_id = settings, device_id
         self.memory: Memory | None = None
         self.vllm: VllmRank | None = None
         self._in_flight: dict[str, _Flight] = {}
+        self._notify_agents: set[str] = set()  # push, decode: added here, removed at shutdown
         self.notification_failures = 0
 
     # ---- registration and handshake -------------------------------------------------------
@@ -95,7 +100,37 @@ class VllmConnectorWorker:
                                          f"log names the cause)")
 
     def connect_notify_only(self, agent_metadata: Any) -> None:
-        raise HandshakeError("V1", "implementation 'vllm' drives pull only")
+        """Push, decode: prefill's agents, to send it hkvsim's registrations (notifications
+        only; vLLM's decode worker needs no descriptors of prefill in push)."""
+        for blob in agent_metadata:
+            self._notify_agents.add(self.transport.add_remote_agent(blob))
+
+    # ---- push (prefill side) ---------------------------------------------------------------
+    def start_write(self, req: Any) -> RequestOutcome | None:
+        """vLLM's prefill push worker WRITEs the request into decode's registered blocks."""
+        assert self.vllm is not None
+        reg = req.registration
+        outcome = RequestOutcome(request_id=req.prefill_request_id, ok=False)
+        if reg.hit_blocks:
+            outcome.reason = ("implementation 'vllm': push after a decode prefix-cache hit is "
+                              "not driven yet")
+            outcome.failure_class = "transfer_setup_failed"
+            return outcome
+        groups = sorted(set(req.prefill_blocks) | set(reg.blocks))
+        local = tuple([int(b) for b in req.prefill_blocks.get(g, ())] for g in groups)
+        remote = tuple([int(b) for b in reg.blocks.get(g, ())] for g in groups)
+        agent = self.vllm.agent
+        before = agent.created_handles()
+        failure = self.harness.start_push(self.vllm, req.prefill_request_id, reg.decode_engine,
+                                          reg.decode_request_id, local, remote)
+        flight = _Flight(outcome=outcome, handles=agent.created_handles()[len(before):])
+        if failure is not None:
+            outcome.reason, outcome.failure_class = str(failure), failure.kind
+            return outcome
+        self._in_flight[req.prefill_request_id] = flight
+        if not flight.handles:
+            return self._end(req.prefill_request_id)
+        return None
 
     def is_connected(self, engine: str) -> bool:
         return self.vllm is not None and engine in self.vllm.worker._remote_agents
@@ -127,11 +162,19 @@ class VllmConnectorWorker:
             return []
         assert self.vllm is not None
         try:
-            _sending, recving = self.vllm.worker.get_finished()
+            sending, recving = self.vllm.worker.get_finished()
             bad = set(self.vllm.worker.get_block_ids_with_load_errors())
         except Exception as exc:
             failure = vllm_failure(exc)
             return [self._end(rid, failure=failure) for rid in list(self._in_flight)]
+        if self.push:  # prefill: vLLM lists a request done sending once its WRITEs completed
+            failed = set(getattr(self.vllm.worker, "_send_failures", ()))
+            out = [self._end(rid) for rid in sorted(set(sending or ()) & set(self._in_flight))]
+            out += [self._end(rid, failure=VllmFailure(
+                        where="push WRITE", what="vLLM recorded the request's WRITE as failed",
+                        kind="transfer_failed"))
+                    for rid in sorted(failed & set(self._in_flight))]
+            return out
         out = []
         for rid in sorted(set(recving or ()) & set(self._in_flight)):
             flight = self._in_flight[rid]
@@ -182,7 +225,15 @@ class VllmConnectorWorker:
         request becomes one ``"{request}:1"`` message for the coordinator, which frees the
         blocks once every prefill rank has sent its. Other messages (heartbeats) pass as they
         came. Decode: nothing (vLLM's decode worker reads its own notifications)."""
-        if self.role == "decode" or self.vllm is None:
+        if self.vllm is None:
+            return []
+        if self.push:  # push: hkvsim's coordinator runs registration and counting
+            try:
+                got = self.vllm.agent.get_new_notifs()
+            except NixlAgentError:
+                return []
+            return [m for messages in got.values() for m in messages]
+        if self.role == "decode":
             return []
         agent = self.vllm.agent
         try:
@@ -223,3 +274,6 @@ class VllmConnectorWorker:
         (what it leaves behind shows up as the run's after-shutdown leak)."""
         if self.vllm is not None:
             self.harness.shutdown_rank(self.vllm)
+        for agent in sorted(self._notify_agents):
+            self.transport.remove_remote_agent(agent)
+        self._notify_agents.clear()
