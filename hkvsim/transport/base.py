@@ -16,7 +16,7 @@ import numpy as np
 
 __all__ = ["DONE", "PROC", "ERR", "MEM_TYPES", "TransportError", "Memory", "XferTelemetry",
            "Transport", "AgentAnnouncement", "PeerRegistrations", "check_descriptor_array",
-           "check_handle", "check_mem_type", "check_paired_ids", "check_prep_descriptors",
+           "check_handle", "check_mem_type", "check_op", "live_list", "held_resources", "releasable_xfer", "check_paired_ids", "check_prep_descriptors",
            "check_strided_array", "registration_problem", "PairedDescriptors", "pair_descriptors",
            "decode_agent_metadata", "encode_agent_metadata", "expand_strided", "overlapping"]
 
@@ -76,6 +76,47 @@ def check_handle(handle: Any, *, what: str) -> int:
         raise TransportError(f"{what}: handle must be an int, got {type(handle).__name__} "
                              f"{handle!r:.40}")
     return int(handle)
+
+
+def check_op(op: str, *, owner: str) -> str:
+    """READ or WRITE (NIXL raises a bare KeyError for a wrong or lower-case op)."""
+    if op not in OPS:
+        raise TransportError(f"{owner}: unknown op {op!r}; allowed: {', '.join(OPS)}")
+    return op
+
+
+def live_list(lists: dict[int, Any], handle: Any, *, owner: str, side: str) -> Any:
+    """The prepared descriptor list ``handle`` names in a transport's ledger ``lists``, if it is
+    still usable: not released, not unknown, not stale (its memory withdrawn). One lookup for
+    every transport, so the simulator refuses exactly the handles NIXL refuses."""
+    dl = lists.get(check_handle(handle, what=f"{owner}: {side} list"))
+    if dl is None or dl.released:
+        raise TransportError(f"{owner}: {side} descriptor list {handle} is released or unknown")
+    if dl.stale is not None:
+        raise TransportError(f"{owner}: {side} descriptor list {handle} is stale: {dl.stale}")
+    return dl
+
+
+def releasable_xfer(xfers: dict[int, Any], handle: int, *, owner: str) -> Any:
+    """The ledger's transfer ``handle`` if it may be released now; None if it is unknown or
+    already released (releasing twice is a no-op, as in NIXL). A transfer still in PROC is
+    refused on every transport: its DMA may be live (docs/semantics.md §11.4)."""
+    x = xfers.get(handle)
+    if x is None or x.released:
+        return None
+    if x.state == PROC:
+        raise TransportError(f"{owner}: cannot release transfer {handle} while it is "
+                             f"active (DMA may be live)")
+    return x
+
+
+def held_resources(xfers: dict[int, Any], lists: dict[int, Any], *, remote_agents: int,
+                   registered_memory: int) -> dict[str, int]:
+    """What a transport still holds, counted from its ledger (all zero after a clean shutdown);
+    the same keys on every transport, so leak checks compare backends field by field."""
+    return {"transfer_handles": sum(1 for x in xfers.values() if not x.released),
+            "dlist_handles": sum(1 for d in lists.values() if not d.released),
+            "remote_agents": remote_agents, "registered_memory": registered_memory}
 
 
 def _ids(ids: Any, *, what: str, side: str) -> np.ndarray:

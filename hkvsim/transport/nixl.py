@@ -54,7 +54,6 @@ import numpy as np
 from .base import (
     DONE,
     ERR,
-    OPS,
     PROC,
     Memory,
     PeerRegistrations,
@@ -63,13 +62,17 @@ from .base import (
     check_descriptor_array,
     check_handle,
     check_mem_type,
+    check_op,
     check_paired_ids,
     check_prep_descriptors,
     check_strided_array,
     decode_agent_metadata,
     encode_agent_metadata,
     expand_strided,
+    held_resources,
+    live_list,
     overlapping,
+    releasable_xfer,
     pair_descriptors,
     registration_problem,
 )
@@ -451,21 +454,13 @@ class NixlTransport:
                 pass  # releasing a list of a vanished peer: nothing to do
 
     def _dlist(self, handle: int, side: str) -> _DList:
-        dl = self._dlists.get(check_handle(handle, what=f"{self.name}: {side} list"))
-        if dl is None or dl.released:
-            raise TransportError(f"{self.name}: {side} descriptor list {handle} is released or "
-                                 f"unknown")
-        if dl.stale is not None:
-            raise TransportError(f"{self.name}: {side} descriptor list {handle} is stale: "
-                                 f"{dl.stale}")
-        return dl
+        return live_list(self._dlists, handle, owner=self.name, side=side)
 
     # ---- transfers -----------------------------------------------------------------------
     def make_prepped_xfer(self, op: str, local_dlist: int, local_ids: np.ndarray, remote_dlist: int,
                           remote_ids: np.ndarray, notif: bytes = b"") -> int:
         self._check_open()
-        if op not in OPS:  # NIXL raises a bare KeyError for a wrong (or lower-case) op
-            raise TransportError(f"{self.name}: unknown op {op!r}; allowed: {', '.join(OPS)}")
+        check_op(op, owner=self.name)
         local, remote = self._dlist(local_dlist, "local"), self._dlist(remote_dlist, "remote")
         if local.agent:
             raise TransportError(f"{self.name}: invalid sides (the local list belongs to remote "
@@ -501,8 +496,7 @@ class NixlTransport:
         arrays (NIXL ``initialize_xfer``), or two (N, 5) strided arrays, which are prepared as
         strided lists (NIXL PR #1978) and posted run by run. Validated like prepared lists."""
         self._check_open()
-        if op not in OPS:
-            raise TransportError(f"{self.name}: unknown op {op!r}; allowed: {', '.join(OPS)}")
+        check_op(op, owner=self.name)
         what = f"{self.name}: {op} (non-prepped) with {remote_agent}"
         if remote_agent not in self._remotes:
             raise TransportError(f"{what}: unknown remote agent (add_remote_agent first)")
@@ -641,12 +635,9 @@ class NixlTransport:
         return x.error_kind, x.error or "NIXL reported ERR"
 
     def release_xfer_handle(self, handle: int) -> None:
-        x = self._xfers.get(handle)
-        if x is None or x.released:
+        x = releasable_xfer(self._xfers, handle, owner=self.name)
+        if x is None:
             return
-        if x.state == PROC:
-            raise TransportError(f"{self.name}: cannot release transfer {handle} while it is "
-                                 f"active (DMA may be live)")
         self._release_xfer(handle, x)
 
     def _release_xfer(self, handle: int, x: _Xfer) -> bool:
@@ -666,14 +657,12 @@ class NixlTransport:
         return True
 
     def open_handles(self) -> int:
-        return sum(1 for x in self._xfers.values() if not x.released)
+        return self.resources()["transfer_handles"]
 
     def resources(self) -> dict[str, int]:
         """What this agent still holds (all zero after a clean shutdown)."""
-        return {"transfer_handles": self.open_handles(),
-                "dlist_handles": sum(1 for d in self._dlists.values() if not d.released),
-                "remote_agents": len(self._remotes),
-                "registered_memory": len(self._registrations)}
+        return held_resources(self._xfers, self._dlists, remote_agents=len(self._remotes),
+                              registered_memory=len(self._registrations))
 
     # ---- notifications -------------------------------------------------------------------
     def send_notif(self, agent: str, message: bytes) -> None:

@@ -23,7 +23,6 @@ import simpy
 from .base import (
     DONE,
     ERR,
-    OPS,
     PROC,
     Memory,
     PeerRegistrations,
@@ -32,13 +31,17 @@ from .base import (
     check_descriptor_array,
     check_handle,
     check_mem_type,
+    check_op,
     check_paired_ids,
     check_prep_descriptors,
     check_strided_array,
     decode_agent_metadata,
     encode_agent_metadata,
     expand_strided,
+    held_resources,
+    live_list,
     overlapping,
+    releasable_xfer,
     pair_descriptors,
     registration_problem,
 )
@@ -301,20 +304,12 @@ class SimTransport:
             dl.released = True
 
     def _dlist(self, handle: int, side: str) -> _DList:
-        dl = self._dlists.get(check_handle(handle, what=f"{self.name}: {side} list"))
-        if dl is None or dl.released:
-            raise TransportError(f"{self.name}: {side} descriptor list {handle} is released or "
-                                 f"unknown")
-        if dl.stale is not None:
-            raise TransportError(f"{self.name}: {side} descriptor list {handle} is stale: "
-                                 f"{dl.stale}")
-        return dl
+        return live_list(self._dlists, handle, owner=self.name, side=side)
 
     # ---- transfers -----------------------------------------------------------------------
     def make_prepped_xfer(self, op: str, local_dlist: int, local_ids: np.ndarray, remote_dlist: int,
                           remote_ids: np.ndarray, notif: bytes = b"") -> int:
-        if op not in OPS:
-            raise TransportError(f"{self.name}: unknown op {op!r}; allowed: {', '.join(OPS)}")
+        check_op(op, owner=self.name)
         local, remote = self._dlist(local_dlist, "local"), self._dlist(remote_dlist, "remote")
         if local.agent != self.name:
             raise TransportError(f"{self.name}: invalid sides (local list belongs to {local.agent})")
@@ -334,8 +329,7 @@ class SimTransport:
         (N, 5) strided rows, on both sides. Posting is charged per run (each row of an (N, 3)
         array, each of the ``count`` runs of a strided row): on the CPU VM strided lists cut
         prep time but not post time (docs/semantics.md §10). Telemetry reports the rows posted."""
-        if op not in OPS:
-            raise TransportError(f"{self.name}: unknown op {op!r}; allowed: {', '.join(OPS)}")
+        check_op(op, owner=self.name)
         if remote_agent not in self._remotes:
             raise TransportError(f"{self.name}: make_xfer to unknown remote agent "
                                  f"{remote_agent!r} (add_remote_agent first)")
@@ -504,12 +498,9 @@ class SimTransport:
         return (x.error_kind, x.error) if x.state == ERR and x.error else None
 
     def release_xfer_handle(self, handle: int) -> None:
-        x = self._xfers.get(handle)
-        if x is None or x.released:
+        x = releasable_xfer(self._xfers, handle, owner=self.name)
+        if x is None:
             return
-        if x.state == PROC:
-            raise TransportError(f"{self.name}: cannot release transfer {handle} while it is "
-                                 f"active (DMA may be live)")
         x.released = True
         # keep the record (a released handle must still be refused by name) but not its id
         # arrays: long runs would otherwise hold every transfer's ids (memory ~ requests)
@@ -519,14 +510,12 @@ class SimTransport:
         x.landing = None
 
     def open_handles(self) -> int:
-        return sum(1 for x in self._xfers.values() if not x.released)
+        return self.resources()["transfer_handles"]
 
     def resources(self) -> dict[str, int]:
         """What this agent still holds (all zero after a clean shutdown)."""
-        return {"transfer_handles": self.open_handles(),
-                "dlist_handles": sum(1 for d in self._dlists.values() if not d.released),
-                "remote_agents": len(self._remotes),
-                "registered_memory": len(self.world.agent(self.name).memories)}
+        return held_resources(self._xfers, self._dlists, remote_agents=len(self._remotes),
+                              registered_memory=len(self.world.agent(self.name).memories))
 
     # ---- notifications -------------------------------------------------------------------
     def send_notif(self, agent: str, message: bytes) -> None:
