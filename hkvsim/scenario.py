@@ -144,6 +144,27 @@ def _err(
     return PydanticCustomError(_ERR, "{problem}", context)
 
 
+def _existing_file(value: str | None, info: ValidationInfo, *, expand_user: bool = False
+                   ) -> str | None:
+    """A file key's value as an absolute path to an existing file: relative to the scenario
+    file's folder (the validation context's ``base_dir``), else to the working directory."""
+    if value is None:
+        return None
+    context = info.context if isinstance(info.context, dict) else {}
+    base = context.get("base_dir")
+    try:
+        path = Path(value).expanduser() if expand_user else Path(value)
+        if not path.is_absolute():
+            path = Path(base if base is not None else Path.cwd()) / path
+        path = path.resolve()
+        exists = path.is_file()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise _err(f"unusable path ({exc})") from None
+    if not exists:
+        raise _err(f"no such file: {path}")
+    return str(path)
+
+
 def _one_of(values: Callable[[], Sequence[str]], what: str) -> AfterValidator:
     def check(value: str) -> str:
         allowed = list(values())
@@ -335,21 +356,7 @@ class ModelSection(_Section):
     @field_validator("hf_config")
     @classmethod
     def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None:
-            return None
-        context = info.context if isinstance(info.context, dict) else {}
-        base = context.get("base_dir")
-        try:
-            path = Path(value)
-            if not path.is_absolute():
-                path = Path(base if base is not None else Path.cwd()) / path
-            path = path.resolve()
-            exists = path.is_file()
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise _err(f"unusable path ({exc})") from None
-        if not exists:
-            raise _err(f"no such file: {path}")
-        return str(path)
+        return _existing_file(value, info)
 
 
 CacheDtype = Literal["bfloat16", "float16", "fp8", "fp8_ds_mla"]
@@ -503,21 +510,7 @@ class Workload(_Section):
     @field_validator("trace")
     @classmethod
     def _resolve_trace(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None:
-            return None
-        context = info.context if isinstance(info.context, dict) else {}
-        base = context.get("base_dir")
-        try:
-            path = Path(value).expanduser()
-            if not path.is_absolute():
-                path = Path(base if base is not None else Path.cwd()) / path
-            path = path.resolve()
-            exists = path.is_file()
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise _err(f"unusable path ({exc})") from None
-        if not exists:
-            raise _err(f"no such file: {path}")
-        return str(path)
+        return _existing_file(value, info, expand_user=True)
 
     @model_validator(mode="after")
     def _consistent(self) -> Workload:
