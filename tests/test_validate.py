@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from hkvsim.cli import main
-from hkvsim.validate import (FileResult, ValidationError, markdown, steady_transfer_median,
-                             steady_unexplained_median, summary, validate)
+from hkvsim.validate import (FileResult, ValidationError, coalescing_model_check, markdown,
+                             steady_transfer_median, steady_unexplained_median, summary, validate)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,7 +59,26 @@ def test_error_spread_and_acceptance() -> None:
     text = markdown([good, bad], {"when": "now", "machine": "m", "repeats": 3})
     assert "| `x.toml` | 1100.000 | 1000.000 |" in text and "+10 %" in text and "-50 %" in text
     assert "| 1.000 / 3.000 |" in text  # sim, then the median of the real runs
-    assert "**NOT met**" in text and "DISAGREE" in text
+    assert "**NOT met**" in text
+    assert "Coalesced descriptor totals differ" in text and "`x.toml` (block ids" in text
+    assert "model was not checked on the real lists" in text  # no real counts in these results
+
+
+def test_coalescing_model_check_counts_mismatching_real_transfers() -> None:
+    def req(*pairs: tuple) -> dict:
+        return {"telemetry": [{"coalesced": real, "coalesced_model": model}
+                              for model, real in pairs]}
+    data = {"request_details": [req((3, 3), (5, 4)), req((2, None), (None, 7)), req((1, 1))]}
+    assert coalescing_model_check(data) == (3, 1)  # unknown sides are not counted
+    assert coalescing_model_check({"request_details": [{"telemetry": None}]}) == (0, 0)
+    good = _result(1.0, (1.0,))
+    bad = FileResult(**{**good.__dict__, "coalescing_model": (40, 2)})
+    assert summary([good, bad])["coalescing_model_mismatches"] == 2
+    text = markdown([good, bad], {"when": "now", "machine": "m", "repeats": 1})
+    assert "DISAGREES on 2 transfers" in text and "40 transfers checked" in text
+    assert "| 2 / 40 |" in text
+    ok = markdown([FileResult(**{**good.__dict__, "coalescing_model": (40, 0)})], {})
+    assert "agrees with NIXL's telemetry (40 transfers checked)" in ok
 
 
 def test_refuses_no_files_sweeps_and_bad_repeats(tmp_path: Path) -> None:

@@ -1214,10 +1214,13 @@ class Coordinator:
             for t in o.telemetry:
                 rec.times["post"] = max(rec.times.get("post", 0.0), t.post_seconds)
                 rec.times["wire"] = max(rec.times.get("wire", 0.0), t.transfer_seconds)
-                rec.telemetry.append({
+                entry = {
                     "nbytes": t.nbytes, "descriptors": t.descriptors, "submitted": t.submitted,
                     "post_seconds": t.post_seconds, "transfer_seconds": t.transfer_seconds,
-                    "completed": t.completed, "path": list(t.path), "coalesced": t.coalesced})
+                    "completed": t.completed, "path": list(t.path), "coalesced": t.coalesced}
+                if t.coalesced_model is not None:  # real backends: the model on the real lists
+                    entry["coalesced_model"] = t.coalesced_model
+                rec.telemetry.append(entry)
 
     # ---- helpers for drivers ----------------------------------------------------------------
     @staticmethod

@@ -448,7 +448,9 @@ def outcome_to_wire(outcome: RequestOutcome) -> dict[str, Any]:
                        "submitted": float(t.submitted),
                        "completed": None if t.completed is None else float(t.completed),
                        "path": [str(p) for p in t.path],
-                       "coalesced": None if t.coalesced is None else int(t.coalesced)}
+                       "coalesced": None if t.coalesced is None else int(t.coalesced),
+                       "coalesced_model": None if t.coalesced_model is None
+                       else int(t.coalesced_model)}
                       for t in outcome.telemetry],
     }
 
@@ -465,7 +467,9 @@ def outcome_from_wire(data: Any) -> RequestOutcome:
                                    else float(t["completed"]),
                                    path=tuple(str(p) for p in t["path"]),
                                    coalesced=None if t.get("coalesced") is None
-                                   else int(t["coalesced"]))
+                                   else int(t["coalesced"]),
+                                   coalesced_model=None if t.get("coalesced_model") is None
+                                   else int(t["coalesced_model"]))
                      for t in data["telemetry"]]
         return RequestOutcome(request_id=str(data["request_id"]), ok=bool(data["ok"]),
                               reason=data["reason"], failure_class=data["failure_class"],

@@ -61,6 +61,11 @@ class XferTelemetry:
     # descriptors the backend posted after NIXL's own coalescing of pairs adjacent on both
     # sides (hkvsim.transport.coalesce); None when the backend did not say
     coalesced: int | None = None
+    # real backends only: what hkvsim's coalescing model predicts for the descriptor lists this
+    # transfer really posted (checks the model against ``coalesced`` from NIXL's telemetry,
+    # independently of which block ids the run happened to allocate); None on the simulator,
+    # whose ``coalesced`` is the model itself
+    coalesced_model: int | None = None
 
 
 def check_mem_type(mem_type: Any, *, what: str) -> str:

@@ -76,6 +76,7 @@ from .base import (
     pair_descriptors,
     registration_problem,
 )
+from .coalesce import coalesced_count, coalesces
 from .memory import lazy_buffer
 
 __all__ = ["NixlConfig", "NixlTransport", "load_nixl", "nixl_available", "NixlUnavailable"]
@@ -162,6 +163,7 @@ class _Xfer:
     post_seconds: float = 0.0
     completed: float | None = None
     merged_descriptors: int | None = None
+    coalesced_model: int | None = None  # hkvsim's coalescing model on the rows really posted
 
 
 def _describe(exc: BaseException) -> str:
@@ -473,6 +475,8 @@ class NixlTransport:
                                           what=what)
         x = _Xfer(op=op, local=local, remote=remote, n_desc=int(li.size), nbytes=nbytes,
                   notif=bytes(notif))
+        x.coalesced_model = (coalesced_count(local.descs[li], remote.descs[ri])
+                             if coalesces("prepped") else int(li.size))
         if li.size:
             try:
                 x.handle = self._agent.make_prepped_xfer(op, local.handle, li, remote.handle, ri,
@@ -515,6 +519,9 @@ class NixlTransport:
         x = _Xfer(op=op, local=local, remote=remote, n_desc=int((lrows if strided else ld).shape[0]),
                   nbytes=int(ld[:, 1].sum()) if ld.size else 0, notif=bytes(notif),
                   owned=(local, remote))
+        # strided lists are prepared lists; plain rows go through initialize_xfer
+        x.coalesced_model = (coalesced_count(ld, rd) if coalesces(
+            "prepped" if strided else "non_prepped") else int(ld.shape[0]))
         if ld.shape[0]:
             try:
                 if strided:
@@ -716,7 +723,8 @@ class NixlTransport:
             (f"merged:{x.merged_descriptors}",) if x.merged_descriptors is not None else ())
         return XferTelemetry(nbytes=x.nbytes, descriptors=x.n_desc, post_seconds=post,
                              transfer_seconds=max(0.0, total - post), submitted=x.submitted,
-                             completed=x.completed, path=path, coalesced=x.merged_descriptors)
+                             completed=x.completed, path=path, coalesced=x.merged_descriptors,
+                             coalesced_model=x.coalesced_model)
 
     # ---- shutdown ------------------------------------------------------------------------
     def close(self, *, deadline_s: float = 5.0) -> dict[str, int]:

@@ -21,3 +21,15 @@ def test_one_held_out_file_on_both_backends(nixl_required: None) -> None:
     # the simulator and NIXL's telemetry count the same descriptors, before and after coalescing
     assert r.descriptors_posted[0] == r.descriptors_posted[1]
     assert r.descriptors_coalesced[0] == r.descriptors_coalesced[1] is not None
+
+
+def test_coalescing_model_matches_nixl_on_the_lists_really_posted(nixl_required: None) -> None:
+    # warmed-up block ids under a burst (partial runs, timing-dependent allocation) and strided
+    # merging: whatever ids a real run allocated, hkvsim's model of NIXL's coalescing applied to
+    # the descriptor lists each rank posted must give the count NIXL's telemetry reports
+    files = [ROOT / "scenarios" / "fit" / "deepseek-pull-1to2-burst3-warmed.toml",
+             ROOT / "scenarios" / "fit" / "kl-pull-2to1-burst2-strided.toml"]
+    for r in validate(files, repeats=1):
+        checked, mismatched = r.coalescing_model
+        assert checked >= 16, r.file  # every request's transfers of the run
+        assert mismatched == 0, r.file
