@@ -2,7 +2,8 @@
 
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
         -m hkvsim.lab SCENARIO.toml [--device cuda] [--json] [--requests]
-    torchrun --standalone --nproc-per-node 3 -m hkvsim.lab SCENARIO.toml      # one node
+    python -m hkvsim.lab_torchrun --standalone --nproc-per-node 3 -m hkvsim.lab SCENARIO.toml
+        # one node: torchrun with its store on loopback only (hkvsim.lab_torchrun)
 
 Every torchrun worker serves one prefill or decode rank (its own NIXL agent, cache, connector
 and oracle: :mod:`hkvsim.backends.rank`). Global rank 0 also runs the coordinator (the asyncio

@@ -88,10 +88,10 @@ def vram_registration(devices: list[int], nbytes: int = 64 << 20) -> dict[str, A
 
 def torchrun_json(scenario: Path, *, nproc: int, device: str, log_dir: Path,
                   timeout: float) -> tuple[int, dict[str, Any] | None, str]:
-    """Run ``scenario`` under ``torchrun --standalone``; (exit status, JSON or None, stderr)."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), "-m", "hkvsim.lab",
-           str(scenario), "--device", device, "--json", "--requests", "--log-dir", str(log_dir)]
+    """Run ``scenario`` under ``torchrun --standalone``, through hkvsim.lab_torchrun (its store
+    on loopback only); (exit status, JSON or None, stderr)."""
+    cmd = [sys.executable, "-m", "hkvsim.lab_torchrun", "--standalone", "--nproc-per-node",
+           str(nproc), "-m", "hkvsim.lab", str(scenario), "--device", device, "--json", "--requests", "--log-dir", str(log_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
                               "OMP_NUM_THREADS", "1")})

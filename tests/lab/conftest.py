@@ -34,11 +34,12 @@ PROBLEM = _torchrun_problem()
 
 
 @pytest.fixture
-def torchrun() -> str:
-    """The torchrun beside this interpreter (skips without torch and NIXL; fails in CI)."""
+def torchrun() -> list[str]:
+    """torchrun as hkvsim launches it on one machine: ``python -m hkvsim.lab_torchrun`` (torchrun
+    with its stores on loopback; skips without torch and NIXL; fails in CI)."""
     if PROBLEM is not None:
         if os.environ.get("CI"):
             pytest.fail(f"CI is set but the lab path cannot run, and it must not skip in CI: "
                         f"{PROBLEM}", pytrace=False)
         pytest.skip(PROBLEM)
-    return str(Path(sys.executable).parent / "torchrun")
+    return [sys.executable, "-m", "hkvsim.lab_torchrun"]

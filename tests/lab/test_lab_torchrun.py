@@ -63,13 +63,13 @@ request = 1
 """
 
 
-def _torchrun(torchrun: str, tmp_path, text: str, *extra: str, nproc: int = 3,
+def _torchrun(torchrun: list[str], tmp_path, text: str, *extra: str, nproc: int = 3,
               timeout: float = 240, env: dict[str, str] | None = None
               ) -> subprocess.CompletedProcess:
     path = tmp_path / "s.toml"
     path.write_text(text)
     return subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "hkvsim.lab",
+        [*torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "hkvsim.lab",
          str(path), "--log-dir", str(tmp_path / "logs"), *extra],
         capture_output=True, text=True, cwd=tmp_path, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
@@ -239,7 +239,7 @@ def test_two_torchrun_nodes_on_loopback_put_prefill_and_decode_apart(torchrun, t
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen(
-        [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        [*torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lab-test", "--node-rank", str(n),
          "-m", "hkvsim.lab", str(path), "--json", "--bind", "127.0.0.1", "--log-dir",
          str(tmp_path / f"node{n}")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
