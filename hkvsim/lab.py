@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NOT_RUN
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
                         format=f"hkvsim.lab[{env.rank}]: %(message)s")
+    if not env.single_node:  # ranks on other nodes: UCX needs the network devices, not only lo
+        os.environ.setdefault("UCX_NET_DEVICES", "all")  # (one node: loopback, NixlConfig)
     prefix = f"hkvsim/{_safe(env.run_id)}/{env.restart}/"
     store = LabStore(connect_torchrun_store(env.master_addr, env.master_port, prefix,
                                             timeout=max(args.wait, 60.0)))

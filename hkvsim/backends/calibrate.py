@@ -86,6 +86,7 @@ def _redirect(log_path: str) -> None:
     os.close(fd)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("UCX_PROTO_INFO", "y")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's tcp listeners on loopback only
 
 
 def _agent(name: str) -> Any:

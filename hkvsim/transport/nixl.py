@@ -24,7 +24,12 @@ released, so that the hazards of NIXL's Python API (docs/semantics.md §11.4) be
 4. Errors carry only a status code: every NIXL exception is re-raised as a ``TransportError``
    naming the operation, the agent, the lists' lengths and the first offending index.
 5. The built-in listener binds 0.0.0.0: it is always off here; metadata travels over
-   :mod:`hkvsim.backends.side_channel`, bound to 127.0.0.1 by default.
+   :mod:`hkvsim.backends.side_channel`, bound to 127.0.0.1 by default. UCX's own tcp interfaces
+   listen on every network device it uses (measured: one listener per rank on the machine's
+   external address as well as on lo), so an agent created here restricts UCX to loopback
+   (``UCX_NET_DEVICES=lo``, via :data:`NixlConfig.net_devices`) unless the environment names
+   devices itself; shared-memory transports (cma, cuda_ipc) are not network devices and are
+   unaffected. Runs across nodes set ``net_devices=None`` (UCX's own choice).
 6. With the progress thread off the first transfer hangs in PROC unless the target keeps calling
    into NIXL: the rank processes of :mod:`hkvsim.backends.rank` poll
    ``get_new_notifs`` in their loop, so the thread is off by default (on a 2-core box its busy
@@ -43,6 +48,7 @@ VRAM. Neither is needed to import this module.
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -122,6 +128,9 @@ class NixlConfig:
     progress_thread: bool = False  # see hazard 6 in the module docstring
     telemetry: bool = True
     num_threads: int = 0
+    # UCX_NET_DEVICES for the agent when the environment does not set it (hazard 5): "lo" keeps
+    # UCX's tcp listeners on loopback (every rank on one machine); None leaves UCX's default
+    net_devices: str | None = "lo"
 
 
 @dataclass(eq=False)
@@ -189,6 +198,8 @@ class NixlTransport:
         self.config = config or NixlConfig()
         self._clock = clock
         api = load_nixl()
+        if self.config.net_devices is not None:  # read by UCX when the agent's context starts
+            os.environ.setdefault("UCX_NET_DEVICES", self.config.net_devices)
         conf = api.nixl_agent_config(
             enable_prog_thread=self.config.progress_thread,
             enable_listen_thread=False,  # hazard 5: never the 0.0.0.0 listener
