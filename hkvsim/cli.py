@@ -415,14 +415,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     files = [Path(f) for f in args.files] or sorted(Path("scenarios/validation").glob("*.toml"))
     try:
         load_nixl()
-        results = validate(files, repeats=args.repeats,
+        results = validate(files, repeats=args.repeats, timing_only=args.timing_only,
                            progress=lambda text: print(f"validate: {text}", file=sys.stderr))
     except (ValidationError, NixlUnavailable) as exc:
         raise SelectionError(str(exc)) from None
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} CPU(s), {platform.platform()}, Python "
                        f"{platform.python_version()}", "repeats": args.repeats,
-            "source": os.path.commonpath([str(f.parent) for f in files]) + "/"}
+            "source": os.path.commonpath([str(f.parent) for f in files]) + "/",
+            "timing_only": bool(args.timing_only)}
     if args.out:
         for path in write_outputs(results, Path(args.out), meta):
             print(f"wrote {path}")
@@ -659,7 +660,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real runs per file, interleaved across files (default: 3)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write held-out-cpu.md and held-out-cpu.json there "
-                        "(e.g. reports/fidelity)")
+                        "(-timing-only.md/.json with --timing-only; e.g. reports/fidelity)")
+    p.add_argument("--timing-only", action="store_true",
+                   help="run both backends without the oracle (bytes move, none is filled or "
+                        "checked): the real ranks then spend no CPU on the oracle while copies "
+                        "run; nothing is verified")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=cmd_validate)
 

@@ -57,6 +57,8 @@ class FileResult:
     # every real run's transfers: (checked, mismatching) where hkvsim's coalescing model on the
     # lists really posted and NIXL's telemetry were both known
     coalescing_model: tuple[int, int] = (0, 0)
+    # whether every run of the file (sim and real) ran the oracle (False: timing-only runs)
+    verified: bool = True
 
     @property
     def real_median(self) -> float:
@@ -146,9 +148,12 @@ def with_profile(scenario: Any, profile: Path | None = None,
 
 def validate(files: Sequence[Path], *, repeats: int = 3,
              progress: Callable[[str], None] | None = None,
-             profile: Path | None = None) -> list[FileResult]:
+             profile: Path | None = None, timing_only: bool = False) -> list[FileResult]:
     """Run every file on both backends (see the module docstring). ``profile``: simulate with
-    this profile file instead of the one each scenario names (the real runs are unaffected)."""
+    this profile file instead of the one each scenario names (the real runs are unaffected).
+    ``timing_only``: both backends move the bytes but run no oracle, so the real ranks spend no
+    CPU on filling and checking pages while other requests' copies run (what a deployment does;
+    the default measures the verified runs)."""
     from .drivers.nixl import run_scenario_nixl
     from .drivers.sim import run_scenario
     from .results import result_json
@@ -159,14 +164,16 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
     say = progress or (lambda _text: None)
     sims = []
     for f, s in zip(files, scenarios):
-        sims.append(result_json(run_scenario(with_profile(s, profile)), requests=True))
+        sims.append(result_json(run_scenario(with_profile(s, profile), timing_only=timing_only),
+                                requests=True))
         say(f"sim {f.name}")
     reals: list[list[dict[str, Any]]] = [[] for _ in scenarios]
     loads: list[list[float]] = [[] for _ in scenarios]
     for rep in range(repeats):
         for i, (f, s) in enumerate(zip(files, scenarios)):
             loads[i].append(os.getloadavg()[0])
-            reals[i].append(result_json(run_scenario_nixl(s), requests=True))
+            reals[i].append(result_json(run_scenario_nixl(s, timing_only=timing_only),
+                                        requests=True))
             say(f"nixl {f.name} ({rep + 1}/{repeats})")
     out = []
     for f, s, sim, real, load in zip(files, scenarios, sims, reals, loads):
@@ -179,6 +186,13 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
                                   f"{', '.join(r['outcome'] for r in real)}); a validation "
                                   f"file must run cleanly on both backends")
         checks = [coalescing_model_check(r) for r in real]
+        verified = {bool(d.get("verified")) for d in [sim, *real]}
+        if len(verified) > 1:  # a comparison of a verified run with a timing-only one is void
+            did = "did" if sim.get("verified") else "did not"
+            other = "did not" if sim.get("verified") else "did"
+            raise ValidationError(f"{f}: the simulated run {did} verify bytes but a real run "
+                                  f"{other}; every run of a file must be verified, or every "
+                                  f"run timing-only")
         out.append(FileResult(
             file=str(f), scenario=s.scenario.name,
             profile=str(profile) if profile is not None else s.fabric.profile,
@@ -191,7 +205,8 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
             outcomes=tuple(d["outcome"] for d in [sim, *real]),
             unexplained=tuple(float(steady_unexplained_median(d) or 0.0)
                               for d in [sim, *real]),
-            coalescing_model=(sum(c for c, _ in checks), sum(m for _, m in checks))))
+            coalescing_model=(sum(c for c, _ in checks), sum(m for _, m in checks)),
+            verified=verified.pop()))
     return out
 
 
@@ -225,6 +240,16 @@ def _unexplained(r: FileResult) -> str:
     if len(r.unexplained) < 2:
         return "-"
     return f"{_ms(r.unexplained[0])} / {_ms(statistics.median(r.unexplained[1:]))}"
+
+
+def _oracle_sentence(results: Sequence[FileResult]) -> str:
+    if all(r.verified for r in results):
+        return ("Verified runs: the oracle fills every prefill page and checks every decode byte "
+                "inside the rank processes, on the same cores as the copies.")
+    if not any(r.verified for r in results):
+        return ("Timing-only runs (`--timing-only`): the bytes move, but no rank spends CPU on "
+                "filling or checking them, and nothing was verified.")
+    return "Some files ran verified and some timing-only (see the JSON)."
 
 
 def _coalescing_sentence(results: Sequence[FileResult], s: dict[str, Any]) -> str:
@@ -261,7 +286,8 @@ def markdown(results: Sequence[FileResult], meta: dict[str, Any]) -> str:
         f"(`{meta.get('source', 'scenarios/validation/')}`), each run once on the simulator "
         "with the shipped "
         f"profile and {meta.get('repeats', '?')} times on real NIXL (DRAM over UCX, one "
-        "process per rank), real runs interleaved across files. Time = steady-state median "
+        "process per rank), real runs interleaved across files. "
+        f"{_oracle_sentence(results)} Time = steady-state median "
         "per-request transfer time (first post to transfer done; each run's first request "
         "and requests that ran a handshake left out). Nothing was tuned to these numbers.", "",
         "| file | sim (ms) | real median (ms) | real runs (ms) | real spread | error "
@@ -287,8 +313,9 @@ def markdown(results: Sequence[FileResult], meta: dict[str, Any]) -> str:
 def write_outputs(results: Sequence[FileResult], out_dir: Path, meta: dict[str, Any]
                   ) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = out_dir / "held-out-cpu.md"
-    js = out_dir / "held-out-cpu.json"
+    stem = "held-out-cpu" if all(r.verified for r in results) else "held-out-cpu-timing-only"
+    md = out_dir / f"{stem}.md"
+    js = out_dir / f"{stem}.json"
     md.write_text(markdown(results, meta))
     js.write_text(json.dumps({"meta": meta, "summary": summary(results),
                               "files": [{**asdict(r), "real_median": r.real_median,

@@ -9,7 +9,8 @@ import pytest
 
 from hkvsim.cli import main
 from hkvsim.validate import (FileResult, ValidationError, coalescing_model_check, markdown,
-                             steady_transfer_median, steady_unexplained_median, summary, validate)
+                             steady_transfer_median, steady_unexplained_median, summary, validate,
+                             write_outputs)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,3 +102,18 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, capsys) -> None:
     assert main(["validate", str(sweep)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "2 variants" in err[0]
+
+
+def test_timing_only_results_say_so_and_go_to_their_own_files(tmp_path: Path) -> None:
+    good = _result(1.0, (1.0,))
+    timing = FileResult(**{**good.__dict__, "verified": False})
+    text = markdown([timing], {"when": "now", "machine": "m", "repeats": 1})
+    assert "Timing-only runs" in text and "nothing was verified" in text
+    assert "Verified runs" not in text
+    assert "Verified runs: the oracle fills" in markdown([good], {})
+    assert "Some files ran verified and some timing-only" in markdown([good, timing], {})
+    paths = write_outputs([timing], tmp_path, {})
+    assert [p.name for p in paths] == ["held-out-cpu-timing-only.md",
+                                       "held-out-cpu-timing-only.json"]
+    assert [p.name for p in write_outputs([good], tmp_path, {})] == ["held-out-cpu.md",
+                                                                     "held-out-cpu.json"]

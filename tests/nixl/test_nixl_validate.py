@@ -33,3 +33,13 @@ def test_coalescing_model_matches_nixl_on_the_lists_really_posted(nixl_required:
         checked, mismatched = r.coalescing_model
         assert checked >= 16, r.file  # every request's transfers of the run
         assert mismatched == 0, r.file
+
+
+def test_timing_only_validation_runs_no_oracle_on_either_backend(nixl_required: None) -> None:
+    (r,) = validate([ROOT / "scenarios" / "validation" / "llama-pull-1to1-strided.toml"],
+                    repeats=1, timing_only=True)
+    assert r.outcomes == ("ok", "ok") and r.sim_seconds > 0 and r.real_seconds[0] > 0
+    assert r.verified is False  # read from the runs' own JSON, not from the flag
+    (v,) = validate([ROOT / "scenarios" / "validation" / "llama-pull-1to1-strided.toml"],
+                    repeats=1)
+    assert v.verified is True
