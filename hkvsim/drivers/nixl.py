@@ -198,6 +198,7 @@ class _Rank:
     exitcode: int | None = None
     transports: list[str] = field(default_factory=list)
     credential: str = ""  # its one-time HELLO credential (side_channel.RankCredentials)
+    implementation: dict[str, str] = field(default_factory=dict)  # vLLM's name and version
 
     @property
     def label(self) -> str:
@@ -541,6 +542,12 @@ class NixlDriver:
             if not isinstance(payload, bytes) or not isinstance(md, bytes):
                 raise ProtocolError("ready: payload and agent_metadata must be bytes")
             r.payload, r.agent_metadata, r.agent = payload, md, str(message.get("agent"))
+            impl = message.get("implementation")
+            if impl is not None:
+                if not isinstance(impl, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                         for k, v in impl.items()):
+                    raise ProtocolError("ready: implementation must map str to str")
+                r.implementation = dict(impl)
             if r.ready is not None and not r.ready.done():
                 r.ready.set_result(True)
         elif op == "outcome":
@@ -744,7 +751,17 @@ class NixlDriver:
                          handshake_errors=self.coord.handshake_errors, leaks=leaks,
                          counters=counters, sim_seconds=self.coord.makespan(), layouts=layouts,
                          warnings=self.coord.warnings(), verified=self.verify, backend="nixl",
-                         link_segments=[])
+                         link_segments=[], implementation=self._implementation())
+
+    def _implementation(self) -> dict[str, str]:
+        """The connector the ranks ran when not hkvsim's core (vLLM: its name and the version
+        every rank imported). Ranks that ran different ones (launcher-started ranks in other
+        environments) make a run no result can be attributed to."""
+        seen = sorted({tuple(sorted(r.implementation.items())) for r in self.ranks})
+        if len(seen) > 1:
+            raise NixlRunError(f"the ranks ran different connector implementations: "
+                               f"{[dict(s) or {'name': 'hkvsim'} for s in seen]}")
+        return dict(seen[0]) if seen else {}
 
     def _run_budget(self, last_arrival: float) -> float:
         if self.options.run_timeout is not None:

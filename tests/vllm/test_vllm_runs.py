@@ -112,6 +112,8 @@ def test_an_assert_inside_vllm_is_a_failure_naming_its_line(vllm_required: str,
         t = world.create_agent(f"{eid}.0", (eid, 0))
         harness.add_rank(eid, layout, 0, t, t.allocate(layout.total_bytes, mem_type="DRAM"),
                          "prefill" if eid == "p" else "decode")
+    # what the coordinator does at Connect: prefill's published payloads answer the handshake
+    harness.deliver_handshake("p", {0: harness.engines["p"][0].handshake_payload()})
     failure = harness.start_load(harness.engines["d"][0], "r", "r", "p", ([1, 2, 3],), ([4, 5],))
     env.run()
     if failure is None:  # vLLM may report it from get_finished instead
@@ -265,6 +267,8 @@ def test_vllm_reads_the_simulated_clock(vllm_required: str) -> None:
         t = world.create_agent(f"{eid}.0", (eid, 0))
         harness.add_rank(eid, layout, 0, t, t.allocate(layout.total_bytes, mem_type="DRAM"),
                          "prefill" if eid == "p" else "decode")
+    # what the coordinator does at Connect: prefill's published payloads answer the handshake
+    harness.deliver_handshake("p", {0: harness.engines["p"][0].handshake_payload()})
     env.run(until=1234.5)
     nixl = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
     for name in ("base_worker", "pull_worker"):

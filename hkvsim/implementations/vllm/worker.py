@@ -5,8 +5,10 @@ start_read, poll, take_messages, abort, ...). This class answers them with vLLM'
 worker (built by :class:`.engine.VllmHarness`), so the same coordinator, simulated fabric and
 oracle run vLLM's connector:
 
-- ``connect``: vLLM's own handshake (``_ensure_handshake`` -> ``_nixl_handshake`` over the
-  in-process socket); a failure is the Connect's error, naming vLLM's file:line.
+- ``connect``: vLLM's own handshake (``_ensure_handshake`` -> ``_nixl_handshake``), its socket
+  answered from the peer ranks' handshake payloads (vLLM's own metadata, published by
+  :meth:`handshake_payload` and delivered by the coordinator, in this process or across
+  processes); a failure is the Connect's error, naming vLLM's file:line.
 - ``start_read``: one ``start_load_kv`` for the request; the transfers vLLM posts during it are
   the request's (descriptor and byte counts from their telemetry).
 - ``poll``: ``get_finished``; a received request is ok unless vLLM reported load errors for its
@@ -82,13 +84,18 @@ class VllmConnectorWorker:
         return self.memory
 
     def handshake_payload(self) -> bytes:
-        # vLLM fetches its peers' metadata itself (its own handshake); nothing to carry here
-        return self.engine_id.encode()
+        """vLLM's own handshake metadata of this rank (what its zmq listener would answer),
+        carried to the peers by hkvsim's coordinator."""
+        assert self.vllm is not None
+        return self.vllm.handshake_payload()
 
     def connect(self, remote_engine: str, payloads: Mapping[int, bytes]) -> None:
+        """vLLM's handshake with ``remote_engine``, answered from the payloads its ranks
+        published through the coordinator (on either backend)."""
         assert self.vllm is not None
         remote_tp = len(payloads)
         worker = self.vllm.worker
+        self.harness.deliver_handshake(remote_engine, dict(payloads))
         try:
             fut = worker._ensure_handshake(remote_engine, remote_engine, 5600, remote_tp)
             if fut is not None:
