@@ -236,6 +236,10 @@ class NixlDriver:
         self._rank_env()  # refuses a variable that is not allow-listed, before anything starts
         self.dep = build_deployment(scenario)
         self.verify = scenario.workload.verify and not timing_only
+        if scenario.connector.implementation == "vllm" and not self.verify:
+            raise NixlRunError(f"{scenario.where}: connector.implementation: vLLM's connector "
+                               f"needs real cache bytes: run with the oracle (workload.verify "
+                               f"= true, no --timing-only)")
         coordinator_faults = [f for f in scenario.faults if f.kind in COORDINATOR_FAULTS]
         plan = FaultPlan(coordinator_faults, seed=scenario.scenario.seed,
                          transfer_timeout=scenario.connector.transfer_timeout_seconds
@@ -583,7 +587,7 @@ class NixlDriver:
             return
         tail = _log_tail(r.log_path)
         reason = f"{r.label} (pid {r.pid}) died: {how}"
-        if tail and "last log lines" not in how:
+        if tail and "last log lines" not in how and tail not in how:  # (not the same twice)
             reason += f"; last log lines: {tail}"
         r.dead = reason
         for fut in r.pending.values():

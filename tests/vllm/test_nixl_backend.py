@@ -24,19 +24,6 @@ PULL_ASSERT_026 = "pull_worker.py:167: assert len(read_specs) == 1"
 PUSH_ASSERT_026 = "push_worker.py:518: assert len(plan.all_source_ranks) == 1"
 
 
-@pytest.fixture(scope="session")
-def nixl_available() -> None:
-    from hkvsim.transport.nixl import NixlUnavailable, load_nixl
-
-    try:
-        load_nixl()
-    except NixlUnavailable as exc:
-        if os.environ.get("HKVSIM_REQUIRE_VLLM") or os.environ.get("CI"):
-            pytest.fail(f"NIXL is not usable here, and these tests must not skip: {exc}",
-                        pytrace=False)
-        pytest.skip(f"NIXL not installed ({exc}); scripts/with-vllm installs it")
-
-
 def _variant(path: Path, prefill_tp: int, decode_tp: int, order: str | None = None):
     return next(s for s in load_scenarios(path) if (s.prefill.tp, s.decode.tp) == (
         prefill_tp, decode_tp) and order in (None, s.connector.registration_order))
