@@ -118,9 +118,14 @@ class VllmConnectorWorker:
         assert self.vllm is not None
         reg = req.registration
         outcome = RequestOutcome(request_id=req.prefill_request_id, ok=False)
-        if reg.hit_blocks:
-            outcome.reason = ("implementation 'vllm': push after a decode prefix-cache hit is "
-                              "not driven yet")
+        if reg.hit_blocks and not any(len(b) for b in reg.blocks.values()):
+            # vLLM's decode never registers a full prefix-cache hit in push (its push scheduler
+            # stages no registration without external tokens), so its prefill never WRITEs it;
+            # hkvsim's coordinator registers it for a notification-only completion
+            outcome.reason = ("implementation 'vllm': push after a full decode prefix-cache hit "
+                              "is not driven (vLLM's decode registers no such request, so no "
+                              "vLLM WRITE or notification exists to run; partial hits are "
+                              "driven)")
             outcome.failure_class = "transfer_setup_failed"
             return outcome
         groups = sorted(set(req.prefill_blocks) | set(reg.blocks))
