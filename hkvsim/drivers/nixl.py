@@ -427,6 +427,12 @@ class NixlDriver:
                                f"{', '.join(missing)}") from None
         except _RankDied as exc:
             raise NixlRankSetupError(f"rank setup failed: {exc}") from None
+        want = self.scenario.connector.implementation
+        for r in self.ranks:  # a rank running another connector than asked must not pass for it
+            got = r.implementation.get("name", "hkvsim")
+            if got != want:
+                raise NixlRankSetupError(f"rank setup failed: {r.label} runs the {got!r} "
+                                         f"connector; the scenario asks for {want!r}")
         for r in self.ranks:
             self.coord.set_rank_info(r.key, payload=r.payload, agent=r.agent,
                                      agent_metadata=r.agent_metadata)
