@@ -81,6 +81,11 @@ class VllmConnectorWorker:
             raise ScenarioError(f"{self.engine_id} rank {self.tp_rank}: {exc}",
                                 source=self.harness.source,
                                 key="connector.implementation") from None
+        if not self.push and self.role == "prefill":
+            # vLLM reads only notifications take_messages has seen (and registered the request
+            # for): on real NIXL one arriving in between would reach vLLM for a request it does
+            # not know yet, and vLLM drops it ("unrecognized request")
+            self.vllm.agent.gate_notifs = True
         return self.memory
 
     def handshake_payload(self) -> bytes:
