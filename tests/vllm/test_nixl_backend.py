@@ -7,7 +7,6 @@ processes themselves (the driver's launcher hooks) with ``_rank_launcher.py``.""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading

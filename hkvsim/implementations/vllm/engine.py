@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
 
 from ...geometry.layout import EngineLayout
 from ...geometry.specs import GeometryError, MLAAttentionSpec, ModelSpec
