@@ -180,13 +180,6 @@ def _run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Any]]
                                 on_chunk=step), scenarios
     if args.backend == "nixl":  # real NIXL, one process per rank (hkvsim/backends)
         from .drivers.nixl import run_for_cli
-        from .scenario import ScenarioError
-
-        for i in indices:
-            if scenarios[i].connector.implementation != "hkvsim":
-                raise ScenarioError("implementation 'vllm' runs on the simulated fabric only "
-                                    "(--backend sim); --backend nixl is not supported with it yet",
-                                    source=scenarios[i].source, key="connector.implementation")
 
         results = run_for_cli([scenarios[i] for i in indices], timing_only=args.timing_only,
                               progress=_progress)

@@ -271,8 +271,13 @@ class RankProcess:
         try:
             ready = self._setup(setup)
         except Exception as exc:
+            from ..scenario import ScenarioError
+
             text = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, TransportError):  # NIXL / UCX said why just above in this log
+            if isinstance(exc, ScenarioError):  # one line saying what to change (e.g. vLLM)
+                text = str(exc)
+                print(text, file=sys.stderr, flush=True)
+            elif isinstance(exc, TransportError):  # NIXL / UCX said why just above in this log
                 print(text, file=sys.stderr, flush=True)
             else:
                 traceback.print_exc()
@@ -358,10 +363,14 @@ class RankProcess:
                              transfer_timeout=conn.transfer_timeout_seconds)
             connector_transport = FaultInjectingTransport(
                 self.transport, plan, clock=lambda: time.time() - self.epoch)
-        worker = ConnectorWorker(engine_id=self.engine, role=role, tp_rank=self.rank,
-                                 layout=layout, transport=connector_transport,
-                                 settings=connector_settings(scenario, role),
-                                 device_id=f["device_id"])
+        make_worker: Callable[..., Any] = ConnectorWorker
+        implementation: dict[str, str] | None = None
+        if conn.implementation == "vllm":  # vLLM's own worker over this rank's NIXL agent
+            make_worker, implementation = self._vllm_worker_factory(scenario, f)
+        worker = make_worker(engine_id=self.engine, role=role, tp_rank=self.rank,
+                             layout=layout, transport=connector_transport,
+                             settings=connector_settings(scenario, role),
+                             device_id=f["device_id"])
         worker.register(mem_type=f["mem_type"])
         if f["precommit"] and worker.memory.mem_type == "DRAM":
             # commit every page now (as a real, preallocated cache is): a page first touched
@@ -370,10 +379,31 @@ class RankProcess:
         oracle = Oracle(layout.model) if f["oracle"] else None
         self.executor = _HostStagedExecutor((self.engine, self.rank), worker, oracle,
                                             self.transport)
-        return {"op": "ready", "payload": worker.handshake_payload(),
-                "agent_metadata": self.transport.get_agent_metadata(),
-                "agent": self.transport.name, "total_bytes": int(layout.total_bytes),
-                "backends": list(self.transport.backends)}
+        ready = {"op": "ready", "payload": worker.handshake_payload(),
+                 "agent_metadata": self.transport.get_agent_metadata(),
+                 "agent": self.transport.name, "total_bytes": int(layout.total_bytes),
+                 "backends": list(self.transport.backends)}
+        if implementation is not None:
+            ready["implementation"] = dict(implementation)
+        return ready
+
+    def _vllm_worker_factory(self, scenario: Any, f: dict[str, Any]
+                             ) -> tuple[Callable[..., Any], dict[str, str]]:
+        """``[connector] implementation = "vllm"``: vLLM's worker (this process must have vLLM:
+        run under ``scripts/with-vllm VERSION``), over this rank's NIXL agent through the same
+        nixl_agent-shaped adapter as on the simulated fabric; its clock is the run's. Every
+        reason it cannot run is one ScenarioError line."""
+        from ..implementations.vllm.run import vllm_worker_factory
+        from ..pd.deployment import build_deployment
+        from ..scenario import ScenarioError
+
+        if f["mem_type"] != "DRAM":
+            raise ScenarioError(f"vLLM's connector runs over host memory here; memory type "
+                                f"{f['mem_type']} is not driven (allowed: DRAM)",
+                                source=scenario.source, key="connector.implementation")
+        return vllm_worker_factory(build_deployment(scenario),
+                                   now=lambda: time.time() - self.epoch,
+                                   moves_bytes=f["oracle"])
 
     # ---- loop -----------------------------------------------------------------------------
     def _loop(self) -> int:

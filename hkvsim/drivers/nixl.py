@@ -198,6 +198,7 @@ class _Rank:
     exitcode: int | None = None
     transports: list[str] = field(default_factory=list)
     credential: str = ""  # its one-time HELLO credential (side_channel.RankCredentials)
+    implementation: dict[str, str] = field(default_factory=dict)  # vLLM's name and version
 
     @property
     def label(self) -> str:
@@ -235,6 +236,10 @@ class NixlDriver:
         self._rank_env()  # refuses a variable that is not allow-listed, before anything starts
         self.dep = build_deployment(scenario)
         self.verify = scenario.workload.verify and not timing_only
+        if scenario.connector.implementation == "vllm" and not self.verify:
+            raise NixlRunError(f"{scenario.where}: connector.implementation: vLLM's connector "
+                               f"needs real cache bytes: run with the oracle (workload.verify "
+                               f"= true, no --timing-only)")
         coordinator_faults = [f for f in scenario.faults if f.kind in COORDINATOR_FAULTS]
         plan = FaultPlan(coordinator_faults, seed=scenario.scenario.seed,
                          transfer_timeout=scenario.connector.transfer_timeout_seconds
@@ -422,6 +427,12 @@ class NixlDriver:
                                f"{', '.join(missing)}") from None
         except _RankDied as exc:
             raise NixlRankSetupError(f"rank setup failed: {exc}") from None
+        want = self.scenario.connector.implementation
+        for r in self.ranks:  # a rank running another connector than asked must not pass for it
+            got = r.implementation.get("name", "hkvsim")
+            if got != want:
+                raise NixlRankSetupError(f"rank setup failed: {r.label} runs the {got!r} "
+                                         f"connector; the scenario asks for {want!r}")
         for r in self.ranks:
             self.coord.set_rank_info(r.key, payload=r.payload, agent=r.agent,
                                      agent_metadata=r.agent_metadata)
@@ -541,6 +552,12 @@ class NixlDriver:
             if not isinstance(payload, bytes) or not isinstance(md, bytes):
                 raise ProtocolError("ready: payload and agent_metadata must be bytes")
             r.payload, r.agent_metadata, r.agent = payload, md, str(message.get("agent"))
+            impl = message.get("implementation")
+            if impl is not None:
+                if not isinstance(impl, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                         for k, v in impl.items()):
+                    raise ProtocolError("ready: implementation must map str to str")
+                r.implementation = dict(impl)
             if r.ready is not None and not r.ready.done():
                 r.ready.set_result(True)
         elif op == "outcome":
@@ -576,7 +593,7 @@ class NixlDriver:
             return
         tail = _log_tail(r.log_path)
         reason = f"{r.label} (pid {r.pid}) died: {how}"
-        if tail and "last log lines" not in how:
+        if tail and "last log lines" not in how and tail not in how:  # (not the same twice)
             reason += f"; last log lines: {tail}"
         r.dead = reason
         for fut in r.pending.values():
@@ -744,7 +761,17 @@ class NixlDriver:
                          handshake_errors=self.coord.handshake_errors, leaks=leaks,
                          counters=counters, sim_seconds=self.coord.makespan(), layouts=layouts,
                          warnings=self.coord.warnings(), verified=self.verify, backend="nixl",
-                         link_segments=[])
+                         link_segments=[], implementation=self._implementation())
+
+    def _implementation(self) -> dict[str, str]:
+        """The connector the ranks ran when not hkvsim's core (vLLM: its name and the version
+        every rank imported). Ranks that ran different ones (launcher-started ranks in other
+        environments) make a run no result can be attributed to."""
+        seen = sorted({tuple(sorted(r.implementation.items())) for r in self.ranks})
+        if len(seen) > 1:
+            raise NixlRunError(f"the ranks ran different connector implementations: "
+                               f"{[dict(s) or {'name': 'hkvsim'} for s in seen]}")
+        return dict(seen[0]) if seen else {}
 
     def _run_budget(self, last_arrival: float) -> float:
         if self.options.run_timeout is not None:

@@ -33,3 +33,18 @@ def vllm_required() -> str:
     from hkvsim.implementations.vllm.engine import vllm_version
 
     return str(vllm_version())
+
+
+@pytest.fixture(scope="session")
+def nixl_available() -> None:
+    """Real NIXL (``--backend nixl``): scripts/with-vllm installs it, as scripts/test does for
+    the main suite; with ``HKVSIM_REQUIRE_VLLM`` or ``CI`` set a missing NIXL fails."""
+    from hkvsim.transport.nixl import NixlUnavailable, load_nixl
+
+    try:
+        load_nixl()
+    except NixlUnavailable as exc:
+        if os.environ.get("HKVSIM_REQUIRE_VLLM") or os.environ.get("CI"):
+            pytest.fail(f"NIXL is not usable here, and these tests must not skip: {exc}",
+                        pytrace=False)
+        pytest.skip(f"NIXL not installed ({exc}); scripts/with-vllm installs it")

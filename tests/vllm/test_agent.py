@@ -93,3 +93,22 @@ def test_descriptor_ids_are_cast_from_whole_floats_as_nixl_does() -> None:
     assert out.dtype == np.int64 and out.tolist() == [3, 4]
     assert _indices([1, 2]).dtype.kind in "iu"
     assert _indices(np.array([0.5])).dtype.kind == "f"  # left for the transport to refuse
+
+
+def test_gated_notifications_reach_vllm_only_after_they_were_peeked():
+    # a prefill rank peeks its notifications (registering each request with vLLM) before vLLM
+    # reads them; one arriving in between (real NIXL delivers at any time) must wait for the
+    # next peek, or vLLM would read it for a request it does not know yet and drop it
+    env, a, b, ma, mb = _pair()
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    b.gate_notifs = True
+    a.send_notif("t-b", b"req-1:1")
+    env.run()
+    assert b.peek_notifs() == {"t-a": [b"req-1:1"]}
+    a.send_notif("t-b", b"req-2:1")  # arrives after the peek, before vLLM reads
+    env.run()
+    assert b.get_new_notifs() == {"t-a": [b"req-1:1"]}  # what was peeked, nothing more
+    assert b.get_new_notifs() == {}
+    assert b.peek_notifs() == {"t-a": [b"req-2:1"]}
+    assert b.get_new_notifs() == {"t-a": [b"req-2:1"]}

@@ -199,3 +199,28 @@ def test_a_misrouted_push_write_is_caught_by_the_oracle(vllm_required: str,
     # reversing leaves in place
     assert result.corrupted == 2
     assert all(r.status == "ok" for r in result.records)  # vLLM said: success
+
+
+@pytest.mark.timeout(300)
+def test_gqa_push_to_decode_tp_over_kv_heads_corrupts_under_vllm(vllm_required: str) -> None:
+    # vLLM finding (0.26.0, 0.27.0, 0.33.0): tiny-qwen3-next (2 KV heads), NHD caches, push
+    # prefill TP 1/2 -> decode TP 4. The reverse handshake skips the contiguous-heads check
+    # because decode's KV is replicated; success is reported, but the second replica of each
+    # head receives nothing and (prefill TP 1) the first gets head slices of NHD pages.
+    # hkvsim's core refuses the pair (rule V5); homogeneous TP 4 is byte-exact.
+    from hkvsim.implementations.diff import with_implementation
+
+    scenarios = load_scenarios(VLLM / "gqa-push-decode-tp-over-kv-heads.toml")
+    assert [(s.prefill.tp, s.decode.tp) for s in scenarios] == [(4, 4), (1, 4), (2, 4)]
+    assert all(s.connector.mode == "push" and s.decode.tp > 2 for s in scenarios)
+    homogeneous, *hetero = scenarios
+    assert _byte_exact(run_scenario(homogeneous))
+    for s in hetero:
+        result = run_scenario(s)
+        assert result.implementation == {"name": "vllm", "version": vllm_required}
+        assert result.outcome == "corruption", (s.scenario.name, result.outcome)
+        assert all(r.status == "ok" and r.mismatched_words > 0 for r in result.records)
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        assert core.outcome == "handshake-error", core.outcome
+        assert all(r.status == "failed" and r.failure_class == "handshake_failed"
+                   for r in core.records)

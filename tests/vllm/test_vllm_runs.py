@@ -112,6 +112,8 @@ def test_an_assert_inside_vllm_is_a_failure_naming_its_line(vllm_required: str,
         t = world.create_agent(f"{eid}.0", (eid, 0))
         harness.add_rank(eid, layout, 0, t, t.allocate(layout.total_bytes, mem_type="DRAM"),
                          "prefill" if eid == "p" else "decode")
+    # what the coordinator does at Connect: prefill's published payloads answer the handshake
+    harness.deliver_handshake("p", {0: harness.engines["p"][0].handshake_payload()})
     failure = harness.start_load(harness.engines["d"][0], "r", "r", "p", ([1, 2, 3],), ([4, 5],))
     env.run()
     if failure is None:  # vLLM may report it from get_finished instead
@@ -218,16 +220,17 @@ def test_vllm_refusing_to_build_a_rank_is_one_line(vllm_required: str, tmp_path:
     assert err.count("\n") == 1
 
 
-def test_vllm_on_the_real_nixl_backend_is_refused_not_run_as_hkvsim(tmp_path: Path,
-                                                                     capsys) -> None:
-    # the NIXL backend's rank processes run hkvsim's core: running them for a scenario that
-    # asks for vLLM would report hkvsim's results as vLLM's
+def test_timing_only_vllm_on_the_nixl_backend_is_refused_with_one_line(
+        nixl_available, tmp_path: Path, capsys) -> None:
+    # vLLM's tensors need real bytes: refused before any rank process starts (no vLLM needed)
     path = _scenario(PULL.format(p=1, d=1), tmp_path)
-    assert main(["run", str(path), "--backend", "nixl"]) == 2
+    with pytest.raises(SystemExit) as stop:  # the nixl backend's setup errors exit 2
+        main(["run", str(path), "--backend", "nixl", "--timing-only"])
+    assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert err == (f"hkvsim: error: {path}: connector.implementation: implementation 'vllm' runs "
-                   f"on the simulated fabric only (--backend sim); --backend nixl is not "
-                   f"supported with it yet\n")
+    assert err == (f"hkvsim: error: {path}: connector.implementation: vLLM's connector needs "
+                   f"real cache bytes: run with the oracle (workload.verify = true, no "
+                   f"--timing-only)\n")
 
 
 def test_a_failed_transfer_fails_its_request_under_vllm(vllm_required: str) -> None:
@@ -265,6 +268,8 @@ def test_vllm_reads_the_simulated_clock(vllm_required: str) -> None:
         t = world.create_agent(f"{eid}.0", (eid, 0))
         harness.add_rank(eid, layout, 0, t, t.allocate(layout.total_bytes, mem_type="DRAM"),
                          "prefill" if eid == "p" else "decode")
+    # what the coordinator does at Connect: prefill's published payloads answer the handshake
+    harness.deliver_handshake("p", {0: harness.engines["p"][0].handshake_payload()})
     env.run(until=1234.5)
     nixl = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
     for name in ("base_worker", "pull_worker"):

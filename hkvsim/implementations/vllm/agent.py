@@ -161,6 +161,10 @@ class TransportNixlAgent:
         self._created: list[int] = []  # transfer handles, in creation order
         self._telemetry: dict[int, XferTelemetry] = {}  # kept when a handle is released
         self._held: dict[str, list[bytes]] = {}  # notifications peeked, not yet read by vLLM
+        # when set, get_new_notifs returns only what peek_notifs took: with a real transport a
+        # notification can arrive between the peek and vLLM's read, and must not reach vLLM
+        # before whoever peeks has seen it
+        self.gate_notifs = False
 
     def _count(self, call: str) -> None:
         self.calls[call] = self.calls.get(call, 0) + 1
@@ -344,6 +348,9 @@ class TransportNixlAgent:
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         self._count("get_new_notifs")
+        if self.gate_notifs:
+            held, self._held = self._held, {}
+            return held
         fresh = self._call(self.transport.get_new_notifs)
         if not self._held:
             return fresh

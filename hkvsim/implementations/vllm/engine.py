@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
 
 from ...geometry.layout import EngineLayout
 from ...geometry.specs import GeometryError, MLAAttentionSpec, ModelSpec
@@ -197,8 +196,13 @@ class _SyncExecutor:
 
 
 class _HandshakeSocket:
-    """The REQ socket vLLM's ``_nixl_handshake`` opens, answered in process by the engine at
-    that address (the role of vLLM's zmq listener)."""
+    """The REQ socket vLLM's ``_nixl_handshake`` opens, answered in process (the role of vLLM's
+    zmq listener) from the handshake payloads hkvsim's coordinator delivered for the engine at
+    that address (:meth:`VllmHarness.deliver_handshake`): the bytes vLLM's listener on that
+    rank would send. The same on both backends: on the simulated fabric the peer is in this
+    process, with ``--backend nixl`` in another one; either way its payload came through the
+    coordinator (msgpack, never pickle). The clock sample is this rank's own (the ranks of a
+    run share one time origin)."""
 
     def __init__(self, harness: "VllmHarness", path: str) -> None:
         self.harness, self.path, self._reply = harness, path, None
@@ -210,10 +214,8 @@ class _HandshakeSocket:
         import msgspec
 
         _tag, _pp_rank, tp_rank = msgspec.msgpack.decode(msg)
-        engine = self.harness.engine_at(self.path)
-        payload = engine[tp_rank].worker.xfer_handshake_metadata
-        encoded = msgspec.msgpack.encode(payload)
-        self._reply = [encoded, msgspec.msgpack.encode(self.harness.now())]
+        payload = self.harness.peer_payload(self.path, int(tp_rank))
+        self._reply = [payload, msgspec.msgpack.encode(self.harness.now())]
 
     def recv_multipart(self) -> list[bytes]:
         reply, self._reply = self._reply, None
@@ -249,11 +251,28 @@ def _hf_config_dir(model: ModelSpec) -> str:
 
 
 def _write_config(cfg: dict[str, Any]) -> str:
+    """The directory of a config.json holding ``cfg``. Its path is a function of the content
+    (vLLM's compatibility hash includes the model path, so the rank processes of a
+    ``--backend nixl`` run must name the same model the same way), under a directory of this
+    user's (created 0700; refused if it is someone else's or a link)."""
+    import hashlib
+    import stat
+
     text = json.dumps(cfg, sort_keys=True)
     if text not in _HF_DIR:
-        d = tempfile.mkdtemp(prefix="hkvsim-vllm-model-")
-        with open(os.path.join(d, "config.json"), "w") as f:
-            f.write(text)
+        base = os.path.join(tempfile.gettempdir(), f"hkvsim-vllm-models-{os.getuid()}")
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        st = os.lstat(base)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise RuntimeError(f"{base}: not a directory of this user's that only it can write")
+        d = os.path.join(base, hashlib.sha256(text.encode()).hexdigest()[:16])
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        path = os.path.join(d, "config.json")
+        if not os.path.isfile(path):  # written once; concurrent writers write the same bytes
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".config-")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
         _HF_DIR[text] = d
     return _HF_DIR[text]
 
@@ -296,6 +315,17 @@ class VllmRank:
         self.agent = TransportNixlAgent(transport, [memory])
         self.expected: set[str] = set()  # requests this prefill rank's vLLM worker tracks
         self.worker = harness.build_worker(self)
+
+    def handshake_payload(self) -> bytes:
+        """What vLLM's handshake listener answers for this rank (its ``NixlHandshakePayload``,
+        msgpack-encoded as vLLM sends it): published through hkvsim's coordinator."""
+        import msgspec
+
+        payload = self.worker.xfer_handshake_metadata
+        if payload is None:
+            raise VllmFailure(where="register_kv_caches",
+                              what="vLLM set no handshake metadata after registering the caches")
+        return bytes(msgspec.msgpack.encode(payload))
 
     def layer_name(self, layer: int) -> str:
         return f"model.layers.{layer}.self_attn.attn"
@@ -360,7 +390,9 @@ class VllmRank:
 
 
 class VllmHarness:
-    """Engines of vLLM pull workers over one simulated world; ``now`` reads its clock."""
+    """The vLLM ranks of one process (every rank of the run on the simulated fabric, one rank
+    per process with ``--backend nixl``); ``now`` reads the run's clock. Peers are known only
+    by the handshake payloads the coordinator delivers (:meth:`deliver_handshake`)."""
 
     def __init__(self, now: Callable[[], float]) -> None:
         self.version = load_vllm()
@@ -370,7 +402,8 @@ class VllmHarness:
         self.now = now
         self.mode = "pull"  # or "push": which of vLLM's workers every rank runs
         self.source: str | None = None  # the scenario file, for error lines
-        self.engines: dict[str, list[VllmRank]] = {}
+        self.engines: dict[str, dict[int, VllmRank]] = {}  # the ranks built in this process
+        self.peers: dict[str, dict[int, bytes]] = {}  # handshake payloads, per engine and rank
         self._building: VllmRank | None = None
         self._patch()
 
@@ -384,9 +417,24 @@ class VllmHarness:
             return
         _install_patches()
 
-    def engine_at(self, path: str) -> list[VllmRank]:
+    def deliver_handshake(self, engine_id: str, payloads: dict[int, bytes]) -> None:
+        """The handshake payloads of every rank of ``engine_id``, as the coordinator delivered
+        them: vLLM's handshake with that engine is answered from these."""
+        self.peers[engine_id] = {int(r): bytes(p) for r, p in payloads.items()}
+
+    def remote_tp(self, engine_id: str) -> int:
+        """The TP size of a peer engine (its number of delivered payloads)."""
+        if engine_id not in self.peers:
+            raise VllmFailure(where="harness", what=f"no handshake payloads delivered for engine "
+                                                    f"{engine_id!r} (connect first)")
+        return len(self.peers[engine_id])
+
+    def peer_payload(self, path: str, tp_rank: int) -> bytes:
         host = path.split("://", 1)[-1].rsplit(":", 1)[0]
-        return self.engines[host]
+        payloads = self.peers.get(host)
+        if payloads is None or tp_rank not in payloads:
+            raise ConnectionError(f"no handshake payload delivered for {host} rank {tp_rank}")
+        return payloads[tp_rank]
 
     # ---- building engines ------------------------------------------------------------------
     def vllm_config(self, rank: VllmRank) -> Any:
@@ -509,19 +557,13 @@ class VllmHarness:
 
     def add_rank(self, engine_id: str, layout: EngineLayout, rank: int, transport: Any,
                  memory: Memory, role: str) -> VllmRank:
-        """Build rank ``rank`` of ``engine_id`` (ranks are added in order)."""
-        ranks = self.engines.setdefault(engine_id, [])
-        if rank != len(ranks):
-            raise ValueError(f"{engine_id}: rank {rank} added out of order")
+        """Build rank ``rank`` of ``engine_id`` in this process."""
+        ranks = self.engines.setdefault(engine_id, {})
+        if rank in ranks or not 0 <= rank < layout.tp:
+            raise ValueError(f"{engine_id}: rank {rank} already built or not in TP {layout.tp}")
         vrank = VllmRank(self, engine_id, layout, rank, transport, memory, role)
-        ranks.append(vrank)
+        ranks[rank] = vrank
         return vrank
-
-    def add_engine(self, engine_id: str, layout: EngineLayout, transports: list[Any],
-                   memories: list[Memory], role: str) -> list[VllmRank]:
-        for r in range(layout.tp):
-            self.add_rank(engine_id, layout, r, transports[r], memories[r], role)
-        return self.engines[engine_id]
 
     # ---- pulls ----------------------------------------------------------------------------
     def start_load(self, rank: VllmRank, request_id: str, prefill_request_id: str,
@@ -534,11 +576,15 @@ class VllmHarness:
             ReqMeta,
         )
 
+        try:
+            prefill_tp = self.remote_tp(prefill)
+        except VllmFailure as failure:
+            return failure
         meta = NixlConnectorMetadata()
         extra = {"awaiting_kvs": True} if "awaiting_kvs" in _params(ReqMeta) else {}  # >= 0.27
         meta.reqs_to_recv[request_id] = ReqMeta(
             local_block_ids=local, local_physical_block_ids=local,
-            tp_size=len(self.engines[prefill]), **extra,
+            tp_size=prefill_tp, **extra,
             remote=RemoteMeta(block_ids=remote, host=prefill, port=5600, engine_id=prefill,
                               request_id=prefill_request_id))
         meta.reqs_in_batch.add(request_id)
@@ -570,14 +616,6 @@ class VllmHarness:
             log.warning("vLLM refused to track %s on %s.%d: %s", request_id, rank.engine_id,
                         rank.rank, vllm_failure(exc))
 
-    def start_pull(self, decode: str, prefill: str, request_id: str, local_blocks: np.ndarray,
-                   remote_blocks: np.ndarray) -> dict[int, VllmFailure | None]:
-        """Every decode rank asks vLLM to pull ``request_id``'s blocks from ``prefill``."""
-        local = ([int(b) for b in local_blocks],)
-        remote = ([int(b) for b in remote_blocks],)
-        return {r.rank: self.start_load(r, request_id, request_id, prefill, local, remote)
-                for r in self.engines[decode]}
-
     def start_push(self, rank: VllmRank, prefill_request_id: str, decode: str,
                    decode_request_id: str, local: tuple[list[int], ...],
                    remote: tuple[list[int], ...]) -> VllmFailure | None:
@@ -586,31 +624,19 @@ class VllmHarness:
         finished request: ``_do_start_push_kv``). The registration protocol between the
         engines stays hkvsim's coordinator's."""
         self.expect_send(rank, prefill_request_id)
+        try:
+            decode_tp = self.remote_tp(decode)
+        except VllmFailure as failure:
+            return failure
         registration = {"request_id": decode_request_id, "decode_engine_id": decode,
                         "decode_host": decode, "decode_port": 5600,
-                        "decode_tp_size": len(self.engines[decode]),
+                        "decode_tp_size": decode_tp,
                         "local_block_ids": remote}
         try:
             rank.worker._do_start_push_kv(prefill_request_id, local, registration)
         except Exception as exc:
             return vllm_failure(exc)
         return None
-
-    def finished(self, engine: str) -> dict[int, tuple[set[str], set[str], VllmFailure | None]]:
-        """(done sending, done receiving, failure) per rank of ``engine`` (vLLM's
-        ``get_finished``), plus the requests vLLM reported failed."""
-        out = {}
-        for rank in self.engines[engine]:
-            try:
-                sending, recving = rank.worker.get_finished()
-                out[rank.rank] = (set(sending or ()), set(recving or ()), None)
-            except Exception as exc:
-                out[rank.rank] = (set(), set(), vllm_failure(exc))
-        return out
-
-    def failed_blocks(self, engine: str) -> dict[int, set[int]]:
-        return {r.rank: set(r.worker.get_block_ids_with_load_errors())
-                for r in self.engines[engine]}
 
     def shutdown_rank(self, rank: VllmRank) -> None:
         try:
@@ -621,7 +647,7 @@ class VllmHarness:
 
     def shutdown(self) -> None:
         for ranks in self.engines.values():
-            for r in ranks:
+            for r in ranks.values():
                 with contextlib.suppress(Exception):
                     r.worker.shutdown()
 

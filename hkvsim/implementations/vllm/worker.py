@@ -5,8 +5,10 @@ start_read, poll, take_messages, abort, ...). This class answers them with vLLM'
 worker (built by :class:`.engine.VllmHarness`), so the same coordinator, simulated fabric and
 oracle run vLLM's connector:
 
-- ``connect``: vLLM's own handshake (``_ensure_handshake`` -> ``_nixl_handshake`` over the
-  in-process socket); a failure is the Connect's error, naming vLLM's file:line.
+- ``connect``: vLLM's own handshake (``_ensure_handshake`` -> ``_nixl_handshake``), its socket
+  answered from the peer ranks' handshake payloads (vLLM's own metadata, published by
+  :meth:`handshake_payload` and delivered by the coordinator, in this process or across
+  processes); a failure is the Connect's error, naming vLLM's file:line.
 - ``start_read``: one ``start_load_kv`` for the request; the transfers vLLM posts during it are
   the request's (descriptor and byte counts from their telemetry).
 - ``poll``: ``get_finished``; a received request is ok unless vLLM reported load errors for its
@@ -79,16 +81,26 @@ class VllmConnectorWorker:
             raise ScenarioError(f"{self.engine_id} rank {self.tp_rank}: {exc}",
                                 source=self.harness.source,
                                 key="connector.implementation") from None
+        if not self.push and self.role == "prefill":
+            # vLLM reads only notifications take_messages has seen (and registered the request
+            # for): on real NIXL one arriving in between would reach vLLM for a request it does
+            # not know yet, and vLLM drops it ("unrecognized request")
+            self.vllm.agent.gate_notifs = True
         return self.memory
 
     def handshake_payload(self) -> bytes:
-        # vLLM fetches its peers' metadata itself (its own handshake); nothing to carry here
-        return self.engine_id.encode()
+        """vLLM's own handshake metadata of this rank (what its zmq listener would answer),
+        carried to the peers by hkvsim's coordinator."""
+        assert self.vllm is not None
+        return self.vllm.handshake_payload()
 
     def connect(self, remote_engine: str, payloads: Mapping[int, bytes]) -> None:
+        """vLLM's handshake with ``remote_engine``, answered from the payloads its ranks
+        published through the coordinator (on either backend)."""
         assert self.vllm is not None
         remote_tp = len(payloads)
         worker = self.vllm.worker
+        self.harness.deliver_handshake(remote_engine, dict(payloads))
         try:
             fut = worker._ensure_handshake(remote_engine, remote_engine, 5600, remote_tp)
             if fut is not None:
@@ -111,9 +123,14 @@ class VllmConnectorWorker:
         assert self.vllm is not None
         reg = req.registration
         outcome = RequestOutcome(request_id=req.prefill_request_id, ok=False)
-        if reg.hit_blocks:
-            outcome.reason = ("implementation 'vllm': push after a decode prefix-cache hit is "
-                              "not driven yet")
+        if reg.hit_blocks and not any(len(b) for b in reg.blocks.values()):
+            # vLLM's decode never registers a full prefix-cache hit in push (its push scheduler
+            # stages no registration without external tokens), so its prefill never WRITEs it;
+            # hkvsim's coordinator registers it for a notification-only completion
+            outcome.reason = ("implementation 'vllm': push after a full decode prefix-cache hit "
+                              "is not driven (vLLM's decode registers no such request, so no "
+                              "vLLM WRITE or notification exists to run; partial hits are "
+                              "driven)")
             outcome.failure_class = "transfer_setup_failed"
             return outcome
         groups = sorted(set(req.prefill_blocks) | set(reg.blocks))
