@@ -4,10 +4,11 @@ A verified run keeps real bytes: each rank's cache is a lazily committed buffer 
 committed when first written), and the block pool hands blocks out first-in first-out, so over a
 run an engine touches ``min(its logical blocks, the blocks its requests allocate)`` blocks, each
 ``num_tensors * unified_page_bytes`` per rank. A timing-only run moves no bytes and commits no
-cache page. Both build the prepared descriptor lists (24 B per descriptor: each rank's local
-list; the initiator's ranks also a split list and the list of each remote rank they pair with)
-and keep
-one record per request. The figures are an upper bound of what the run adds on top of the
+cache page. Both prepare descriptor lists (each rank's local list; the initiator's ranks also a
+split list and the list of each remote rank they pair with), kept by the simulated transport as
+affine descriptions (a few numbers per cache region: they do not grow with num_blocks; the
+real NIXL backend materialises them, 24 B per descriptor, in its rank processes), and keep one
+record per request. The figures are an upper bound of what the run adds on top of the
 interpreter, which ``BASE_BYTES`` approximates (Python, numpy, simpy and hkvsim imported).
 """
 
@@ -22,7 +23,8 @@ __all__ = ["MemoryEstimate", "MemoryGuardError", "estimate_memory", "available_m
 
 BASE_BYTES = 64 * 2**20  # interpreter + imports, measured on CPython 3.11 (50-55 MiB)
 RECORD_BYTES = 8 * 2**10  # one request's record, times and telemetry (measured: 4-6 KiB)
-DESCRIPTOR_BYTES = 24  # one (addr, len, device) row of a prepared list
+SEGMENT_BYTES = 7 * 8  # one segment of an affine list (seven int64 fields)
+LIST_BYTES = 4 * 2**10  # one prepared list's fixed cost (arrays, ledger entry, handle)
 _ORACLE_BYTES = (1 << 16) * 8 * 4  # the oracle's reusable batches per engine
 
 
@@ -50,14 +52,14 @@ class MemoryEstimate:
                 "descriptor_list_bytes": self.descriptor_lists, "records_bytes": self.records}
 
 
-def _list_rows(layout: Any) -> int:
-    """Descriptors of a rank's full prepared list: attention regions x kernel blocks, then
-    state regions x sub-regions x logical blocks."""
-    rows = len(layout.regions) * layout.num_kernel_blocks
+def _list_bytes(layout: Any) -> int:
+    """One prepared list: one segment per attention region, then one per state region and
+    sub-region (independent of num_blocks)."""
+    segments = len(layout.regions)
     state = layout.model.state
     if layout.is_hybrid and state is not None:
-        rows += len(layout.state_regions) * len(state.subregion_names) * layout.num_logical_blocks
-    return rows
+        segments += len(layout.state_regions) * len(state.subregion_names)
+    return LIST_BYTES + segments * SEGMENT_BYTES
 
 
 def _request_blocks(layout: Any, tokens: int) -> int:
@@ -85,14 +87,14 @@ def estimate_memory(dep: Any) -> MemoryEstimate:
     initiators = dep.engines.get("prefill" if push else "decode", [])
     targets = dep.engines.get("decode" if push else "prefill", [])
     for spec in targets:
-        descs += _list_rows(spec.layout) * DESCRIPTOR_BYTES * spec.layout.tp
+        descs += _list_bytes(spec.layout) * spec.layout.tp
     for spec in initiators:
         layout = spec.layout
         other = targets[0].layout if targets else layout
         peers = max(1, math.ceil(other.tp / layout.tp))
         sub = max(1, other.kernel_block_size // layout.kernel_block_size)
-        rows = _list_rows(layout) * (1 + peers * sub) + peers * _list_rows(other)
-        descs += rows * DESCRIPTOR_BYTES * layout.tp
+        lists = _list_bytes(layout) * (1 + peers * sub) + peers * _list_bytes(other)
+        descs += lists * layout.tp
     return MemoryEstimate(cache_pages=cache, oracle=oracle, descriptor_lists=descs,
                           records=RECORD_BYTES * len(prompts))
 

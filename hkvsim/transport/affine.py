@@ -1,0 +1,153 @@
+"""Affine descriptor lists: a prepared list described, not materialised (issue #14 item 1).
+
+A cache's prepared lists are arithmetic: descriptor id ``i`` of region ``r`` sits at
+``base_r + (j // sub) * stride_r + (j % sub) * sub_stride_r`` with a fixed length, where ``j``
+is ``i``'s position inside its region. Materialised as (N, 3) rows they cost 24 B per
+descriptor per list and grow with ``num_blocks`` (one list per rank and per remote rank);
+described they are a few numbers per region.
+
+An :class:`AffineList` is a sequence of *segments*, each a run of consecutive ids:
+``count`` descriptors of ``length`` bytes on one device, addresses as above. Addresses and
+lengths are computed from ids on demand (numpy, vectorised); ``materialise`` gives the (N, 3)
+rows (only the real NIXL transport needs them). The transports accept either form in
+``prep_xfer_dlist``: an explicit (N, 3) array, or an AffineList.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["AffineList"]
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def _column(values: Sequence[int] | np.ndarray, name: str, size: int) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.shape != (size,):
+        raise ValueError(f"affine list: {name} must give one value per segment ({size}), got "
+                         f"shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"affine list: {name} must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _INT64_MAX):
+        raise ValueError(f"affine list: {name} must lie in [0, 2**63), got "
+                         f"[{int(arr.min())}, {int(arr.max())}]")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class AffineList:
+    """A descriptor list as segments of consecutive ids (see the module docstring).
+
+    Segment ``s`` holds ids ``[first[s], first[s + 1])``; id ``first[s] + j`` is the run of
+    ``length[s]`` bytes at ``base[s] + (j // sub[s]) * stride[s] + (j % sub[s]) *
+    sub_stride[s]`` on ``device``. Every field is a non-negative integer and every address and
+    end fits in int64 (checked here), so the arithmetic below cannot overflow.
+    """
+
+    __slots__ = ("first", "counts", "base", "stride", "sub", "sub_stride", "length", "device",
+                 "_plain", "_uniform_length", "_n")
+
+    def __init__(self, *, counts: Sequence[int] | np.ndarray, base: Sequence[int] | np.ndarray,
+                 stride: Sequence[int] | np.ndarray, length: Sequence[int] | np.ndarray,
+                 device: int, sub: Sequence[int] | np.ndarray | None = None,
+                 sub_stride: Sequence[int] | np.ndarray | None = None) -> None:
+        size = int(np.asarray(counts).size)
+        self.counts = _column(counts, "counts", size)
+        self.base = _column(base, "base", size)
+        self.stride = _column(stride, "stride", size)
+        self.length = _column(length, "length", size)
+        self.sub = (np.ones(size, np.int64) if sub is None else _column(sub, "sub", size))
+        self.sub_stride = (np.zeros(size, np.int64) if sub_stride is None
+                           else _column(sub_stride, "sub_stride", size))
+        if size and int(self.sub.min()) < 1:
+            raise ValueError("affine list: sub must be >= 1")
+        if not isinstance(device, (int, np.integer)) or not 0 <= int(device) <= _INT64_MAX:
+            raise ValueError(f"affine list: device must be a non-negative int, got {device!r}")
+        self.device = int(device)
+        self.first = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        self._n = int(self.first[-1])
+        for s in range(size):
+            if self.counts[s] and self._segment_hull(s)[1] > _INT64_MAX:
+                raise ValueError(f"affine list: segment {s} ends beyond 2**63")
+        self._plain = bool((self.sub == 1).all())
+        lengths = {int(v) for v, c in zip(self.length, self.counts) if c}
+        self._uniform_length = lengths.pop() if len(lengths) == 1 else None
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.counts.size)
+
+    # ---- per-id arithmetic (ids must already lie in [0, len)) -----------------------------------
+    def segments(self, ids: np.ndarray) -> np.ndarray:
+        """The segment of every id."""
+        if self.counts.size == 1:
+            return np.zeros(ids.shape, dtype=np.int64)
+        return np.searchsorted(self.first, ids, side="right") - 1
+
+    def lengths(self, ids: np.ndarray, seg: np.ndarray | None = None) -> np.ndarray:
+        """Descriptor lengths (int64) of ``ids``."""
+        if self._uniform_length is not None:
+            return np.full(ids.shape, self._uniform_length, dtype=np.int64)
+        return self.length[self.segments(ids) if seg is None else seg]
+
+    def addresses(self, ids: np.ndarray, seg: np.ndarray | None = None) -> np.ndarray:
+        """Descriptor addresses (int64) of ``ids``."""
+        s = self.segments(ids) if seg is None else seg
+        j = ids - self.first[s]
+        if self._plain:
+            return self.base[s] + j * self.stride[s]
+        sub = self.sub[s]
+        return self.base[s] + (j // sub) * self.stride[s] + (j % sub) * self.sub_stride[s]
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """(n, 3) uint64 rows (addr, len, device) of ``ids``."""
+        ids = np.asarray(ids, dtype=np.int64)
+        seg = self.segments(ids)
+        out = np.empty((ids.size, 3), dtype=np.uint64)
+        out[:, 0] = self.addresses(ids, seg)
+        out[:, 1] = self.lengths(ids, seg)
+        out[:, 2] = self.device
+        return out
+
+    def segment_rows(self, s: int) -> np.ndarray:
+        """(count, 3) rows of segment ``s``."""
+        return self.rows(np.arange(self.first[s], self.first[s + 1], dtype=np.int64))
+
+    def materialise(self) -> np.ndarray:
+        """The whole list as (N, 3) uint64 rows: O(N) memory (the real NIXL transport)."""
+        return self.rows(np.arange(self._n, dtype=np.int64))
+
+    # ---- extents --------------------------------------------------------------------------
+    def _segment_hull(self, s: int) -> tuple[int, int]:
+        """[lowest address, an upper bound of the highest end) of segment ``s`` (Python ints):
+        every field is non-negative, so addresses grow with both j // sub and j % sub."""
+        count, sub = int(self.counts[s]), int(self.sub[s])
+        lo = int(self.base[s])
+        hi = (lo + ((count - 1) // sub) * int(self.stride[s])
+              + (min(sub, count) - 1) * int(self.sub_stride[s]) + int(self.length[s]))
+        return lo, hi
+
+    def hulls(self) -> list[tuple[int, int, int, int]]:
+        """(segment, first id, lo, hi) of every non-empty segment, in id order."""
+        return [(s, int(self.first[s]), *self._segment_hull(s))
+                for s in range(self.counts.size) if self.counts[s]]
+
+    def zero_length_id(self) -> int | None:
+        """The first id whose descriptor has length 0, or None."""
+        for s in range(self.counts.size):
+            if self.counts[s] and self.length[s] == 0:
+                return int(self.first[s])
+        return None
+
+    def nbytes(self) -> int:
+        """Bytes the whole list names."""
+        return int((self.counts * self.length).sum())
+
+    def __repr__(self) -> str:
+        return (f"AffineList({self._n} descriptors in {self.counts.size} segments, device "
+                f"{self.device})")

@@ -1,0 +1,178 @@
+"""Affine descriptor lists (issue #14 item 1): a prepared list kept as its description.
+
+Every check compares the affine form with the same list written out row by row with plain
+Python loops (an independent reference): the rows, and the simulated transport's answers --
+acceptance, refusal messages, bytes moved -- must be the same for both forms.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import simpy
+
+from hkvsim.connector.descriptors import local_descriptors, remote_descriptors
+from hkvsim.connector.tp import source_plan
+from hkvsim.fabric import Fabric, load_profile, place_engines
+from hkvsim.transport.affine import AffineList
+from hkvsim.transport.base import DONE, TransportError, overlapping, registration_problem
+from hkvsim.transport.sim import SimWorld
+
+from tests.connector._helpers import layout, meta, state_regions
+
+KIB = 1024
+
+
+def _reference_rows(segments: list[dict], device: int) -> np.ndarray:
+    """The list written out descriptor by descriptor (no numpy arithmetic)."""
+    rows = []
+    for seg in segments:
+        sub, sub_stride = seg.get("sub", 1), seg.get("sub_stride", 0)
+        for j in range(seg["count"]):
+            addr = seg["base"] + (j // sub) * seg["stride"] + (j % sub) * sub_stride
+            rows.append([addr, seg["length"], device])
+    return np.array(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+def _affine(segments: list[dict], device: int = 0) -> AffineList:
+    return AffineList(counts=[s["count"] for s in segments], base=[s["base"] for s in segments],
+                      stride=[s["stride"] for s in segments],
+                      length=[s["length"] for s in segments],
+                      sub=[s.get("sub", 1) for s in segments],
+                      sub_stride=[s.get("sub_stride", 0) for s in segments], device=device)
+
+
+def _segments(base: int) -> list[dict]:
+    return [
+        {"count": 6, "base": base, "stride": 4 * KIB, "length": 4 * KIB},  # contiguous blocks
+        {"count": 0, "base": base, "stride": 1, "length": 1},  # an empty segment is skipped
+        {"count": 8, "base": base + 64 * KIB, "stride": 8 * KIB, "length": 2 * KIB, "sub": 2,
+         "sub_stride": 2 * KIB},  # sub-blocks
+        {"count": 5, "base": base + 256 * KIB + 512, "stride": 16 * KIB, "length": 512},  # state
+    ]
+
+
+def test_rows_match_the_reference_for_any_ids() -> None:
+    segs = _segments(1 << 30)
+    dl, ref = _affine(segs, device=3), _reference_rows(segs, 3)
+    assert len(dl) == ref.shape[0] == 19
+    assert (dl.materialise() == ref).all()
+    ids = np.random.default_rng(1).integers(0, len(dl), 200)
+    assert (dl.rows(ids) == ref[ids]).all()
+    assert (dl.lengths(ids) == ref[ids, 1].astype(np.int64)).all()
+    assert dl.nbytes() == int(ref[:, 1].sum())
+
+
+def test_connector_lists_do_not_grow_with_num_blocks() -> None:
+    """The prepared lists' description is the same size at 4k and at 131k blocks."""
+    sizes = []
+    for blocks in (4_096, 131_072):
+        lay = layout("kimi-linear-48b", 1, num_blocks=blocks)
+        m = meta(lay)
+        lists = [local_descriptors(m, state_regions(lay)),
+                 remote_descriptors(m, m, state_regions(lay), source_plan(
+                     lay.model, local_tp=1, remote_tp=1, tp_rank=0), bsr=1)]
+        assert len(lists[0]) > blocks  # it names every block ...
+        sizes.append(sum(a.nbytes for dl in lists for a in (
+            dl.affine.first, dl.affine.base, dl.affine.stride, dl.affine.length,
+            dl.affine.sub, dl.affine.sub_stride, dl.affine.counts)))
+    assert sizes[0] == sizes[1]  # ... in a description of constant size
+
+
+@pytest.mark.parametrize("form", ["affine", "explicit"])
+def test_registration_checks_answer_alike(form: str) -> None:
+    """Refusals name the same descriptor, whichever form the list was given in."""
+    lo = 1 << 30
+    segs = _segments(lo)
+    dl = _affine(segs) if form == "affine" else _reference_rows(segs, 0)
+    end = int(_reference_rows(segs, 0)[-1, 0]) + 512
+    inside = np.array([[lo, end - lo, 0]], dtype=np.uint64)
+    assert registration_problem(dl, inside, whose="w") is None
+    # two adjacent ranges splitting segment 0 between them: every descriptor is still inside
+    split = np.array([[lo, 8 * KIB, 0], [lo + 8 * KIB, end - lo - 8 * KIB, 0]], dtype=np.uint64)
+    assert registration_problem(dl, split, whose="w") is None
+    short = np.array([[lo, end - lo - 1, 0]], dtype=np.uint64)  # the last byte is outside
+    problem = registration_problem(dl, short, whose="w")
+    assert problem is not None and problem.startswith("descriptor 18 (")
+    mid = np.array([[lo, 67 * KIB, 0], [lo + 67 * KIB, end, 0]], dtype=np.uint64)
+    problem = registration_problem(dl, mid, whose="w")  # id 7 straddles the two ranges
+    assert problem is not None and problem.startswith("descriptor 7 (")
+    other_device = np.array([[lo, end - lo, 1]], dtype=np.uint64)
+    problem = registration_problem(dl, other_device, whose="w")
+    assert problem is not None and problem.startswith("descriptor 0 (")
+    for ranges, expected in ((np.array([[lo + 70 * KIB, 1, 0]], np.uint64), False),
+                             (np.array([[lo + 66 * KIB, 1, 0]], np.uint64), True),
+                             (np.array([[lo + 66 * KIB, 1, 1]], np.uint64), False)):
+        assert overlapping(dl, ranges) is expected
+
+
+def _world() -> tuple[simpy.Environment, SimWorld]:
+    env = simpy.Environment()
+    profile = load_profile("cpu-ucx-loopback")
+    fabric = Fabric(env, profile, place_engines(profile, [("a", "prefill", 1),
+                                                          ("b", "decode", 1)]))
+    return env, SimWorld(env, fabric)
+
+
+def _messages(fn) -> str:
+    with pytest.raises(TransportError) as info:
+        fn()
+    return str(info.value)
+
+
+def test_sim_transport_treats_both_forms_alike() -> None:
+    env, world = _world()
+    a, b = world.create_agent("t-a", ("a", 0)), world.create_agent("t-b", ("b", 0))
+    ma, mb = a.allocate(1 << 20, mem_type="DRAM"), b.allocate(1 << 20, mem_type="DRAM")
+    a.register_memory(ma)
+    b.register_memory(mb)
+    name = a.add_remote_agent(b.get_agent_metadata())
+    segs_a, segs_b = _segments(ma.base_addr), _segments(mb.base_addr)
+    lists = {form: (a.prep_xfer_dlist("", _affine(segs_a) if form == "affine"
+                                      else _reference_rows(segs_a, 0)),
+                    a.prep_xfer_dlist(name, _affine(segs_b) if form == "affine"
+                                      else _reference_rows(segs_b, 0)))
+             for form in ("affine", "explicit")}
+    ids = np.array([0, 1, 2, 6, 7, 12, 18])
+    ma.array[:] = np.arange(ma.nbytes, dtype=np.uint64).astype(np.uint8)
+    moved = {}
+    for form, (local, remote) in lists.items():
+        mb.array[:] = 0
+        h = a.make_prepped_xfer("WRITE", local, ids, remote, ids)
+        a.transfer(h)
+        env.run()
+        assert a.check_xfer_state(h) == DONE
+        moved[form] = mb.array.copy()
+        a.release_xfer_handle(h)
+    assert (moved["affine"] == moved["explicit"]).all() and moved["affine"].any()
+    # refusals: the same message for both forms
+    for bad in ([0, 19], [-1, 0]):
+        msgs = {form: _messages(lambda: a.make_prepped_xfer("READ", local, np.array(bad), remote,
+                                                              np.array([0, 1])))
+                for form, (local, remote) in lists.items()}
+        assert msgs["affine"] == msgs["explicit"] and "out of range" in msgs["affine"]
+    msgs = {form: _messages(lambda: a.make_prepped_xfer("READ", local, np.array([0, 18]),
+                                                          remote, np.array([0, 13])))
+            for form, (local, remote) in lists.items()}
+    assert msgs["affine"] == msgs["explicit"] and "length" in msgs["affine"]
+    far = _segments(ma.base_addr + ma.nbytes - 8 * KIB)  # runs past the registered memory
+    msgs = {form: _messages(lambda: a.prep_xfer_dlist("", dl))
+            for form, dl in (("affine", _affine(far)), ("explicit", _reference_rows(far, 0)))}
+    assert msgs["affine"] == msgs["explicit"] and "is outside the registered memory" in msgs[
+        "affine"]
+    zero = [dict(_segments(ma.base_addr)[0]), {"count": 2, "base": ma.base_addr, "stride": 8,
+                                                "length": 0}]
+    msgs = {form: _messages(lambda: a.prep_xfer_dlist("", dl))
+            for form, dl in (("affine", _affine(zero)), ("explicit", _reference_rows(zero, 0)))}
+    assert msgs["affine"] == msgs["explicit"] and "descriptor 6 has length 0" in msgs["affine"]
+
+
+def test_bad_descriptions_are_refused() -> None:
+    with pytest.raises(ValueError, match="base must lie in"):
+        AffineList(counts=[1], base=[-1], stride=[0], length=[1], device=0)
+    with pytest.raises(ValueError, match="sub must be >= 1"):
+        AffineList(counts=[1], base=[0], stride=[0], length=[1], sub=[0], device=0)
+    with pytest.raises(ValueError, match="one value per segment"):
+        AffineList(counts=[1, 2], base=[0], stride=[0, 0], length=[1, 1], device=0)
+    with pytest.raises(ValueError, match="ends beyond"):
+        AffineList(counts=[3], base=[(1 << 63) - 10], stride=[8], length=[8], device=0)
