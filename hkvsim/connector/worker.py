@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..geometry.layout import EngineLayout
-from ..transport.base import DONE, ERR, PROC, Memory, Transport, TransportError, paired_rows
+from ..transport.base import DONE, ERR, PROC, Memory, Transport, TransportError, check_pairs
 from .blocks import PairingError, expand_logical, pair_attention, pair_state_slots, to_sub_blocks
 from .descriptors import (
     DescriptorList,
@@ -510,14 +510,14 @@ class ConnectorWorker:
         if mode == "off":
             return self.transport.make_prepped_xfer(op, local_handle, local_ids,
                                                     remote.remote_handle, remote_ids, notif)
-        from .merge import merge_descriptors, region_index
+        from .merge import collapsed_pairs, merge_descriptors
 
-        # the prepped path's checks (ids inside both lists, equal lengths), then the rows
-        _, _, local, remote_descs, _ = paired_rows(
-            local_list.affine, local_ids, remote.remote_list.affine, remote_ids,
-            what=f"{self.transport.name}: {op} with {remote.agent}")
-        regions = (region_index(self.metadata.base_addrs, local[:, 0]),
-                   region_index(remote.meta.base_addrs, remote_descs[:, 0]))
+        # the prepped path's checks (ids inside both lists, equal lengths), then the rows, runs
+        # that the contiguous merge joins anyway already joined
+        pairs = check_pairs(local_list.affine, local_ids, remote.remote_list.affine, remote_ids,
+                            what=f"{self.transport.name}: {op} with {remote.agent}")
+        local, remote_descs, regions = collapsed_pairs(pairs, self.metadata.base_addrs,
+                                                       remote.meta.base_addrs)
         plan = merge_descriptors(local, remote_descs, mode, regions)
         return self.transport.make_xfer(op, plan.local, remote.agent, plan.remote, notif)
 

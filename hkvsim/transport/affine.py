@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["AffineList"]
+__all__ = ["AffineList", "PairedRuns"]
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -47,7 +47,7 @@ class AffineList:
     """
 
     __slots__ = ("first", "counts", "base", "stride", "sub", "sub_stride", "length", "device",
-                 "_plain", "_uniform_length", "_n")
+                 "_plain", "_uniform_length", "_n", "step_joins")
 
     def __init__(self, *, counts: Sequence[int] | np.ndarray, base: Sequence[int] | np.ndarray,
                  stride: Sequence[int] | np.ndarray, length: Sequence[int] | np.ndarray,
@@ -74,6 +74,7 @@ class AffineList:
         self._plain = bool((self.sub == 1).all())
         lengths = {int(v) for v, c in zip(self.length, self.counts) if c}
         self._uniform_length = lengths.pop() if len(lengths) == 1 else None
+        self.step_joins = _step_joins(self)
 
     def __len__(self) -> int:
         return self._n
@@ -151,3 +152,147 @@ class AffineList:
     def __repr__(self) -> str:
         return (f"AffineList({self._n} descriptors in {self.counts.size} segments, device "
                 f"{self.device})")
+
+
+def _step_joins(dl: AffineList) -> np.ndarray:
+    """Per segment: 1 when every id continues the previous one in memory (addr = previous addr +
+    length), 0 when none does, -1 when it depends on the position (sub-blocks)."""
+    plain = dl.stride == dl.length
+    sub_ok = dl.sub_stride == dl.length
+    across_ok = dl.stride - (dl.sub - 1) * dl.sub_stride == dl.length
+    multi = dl.sub > 1
+    out = np.where(plain, 1, 0)
+    out = np.where(multi & sub_ok & across_ok, 1, out)
+    out = np.where(multi & (sub_ok != across_ok), -1, out)
+    out = np.where(multi & ~sub_ok & ~across_ok, 0, out)
+    return out.astype(np.int64)
+
+
+class PairedRuns:
+    """A transfer's paired ids over two affine lists, as *joint runs*: maximal stretches where
+    both sides' ids go up by one inside one segment per side. Everything a transport derives
+    per descriptor (paired lengths, bytes, NIXL's coalescing, destination runs) is computed
+    per run; rows are expanded only when asked for.
+
+    ``ids`` must already be range-checked."""
+
+    __slots__ = ("local", "remote", "li", "ri", "starts", "counts", "lseg", "rseg", "llen",
+                 "rlen")
+
+    def __init__(self, local: AffineList, li: np.ndarray, remote: AffineList,
+                 ri: np.ndarray) -> None:
+        self.local, self.remote, self.li, self.ri = local, remote, li, ri
+        n = li.size
+        brk = np.empty(n, dtype=bool)
+        if n:
+            brk[0] = True
+            np.not_equal(li[1:] - li[:-1], 1, out=brk[1:])
+            brk[1:] |= (ri[1:] - ri[:-1]) != 1
+        starts = np.flatnonzero(brk)
+        segs = []
+        for dl, ids in ((local, li), (remote, ri)):  # a run must not cross a segment boundary
+            seg, starts = self._split(dl, ids, brk, starts)
+            segs.append(seg)
+        if segs[0].size != starts.size:  # the remote side split runs: look the local up again
+            segs[0] = local.segments(li[starts])
+        self.starts = starts
+        counts = np.empty(starts.size, dtype=np.int64)
+        if starts.size:
+            counts[:-1] = starts[1:] - starts[:-1]
+            counts[-1] = n - starts[-1]
+        self.counts = counts
+        self.lseg, self.rseg = segs
+        self.llen = local.length[self.lseg]
+        self.rlen = remote.length[self.rseg]
+
+    @staticmethod
+    def _split(dl: AffineList, ids: np.ndarray, brk: np.ndarray, starts: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """(segment of every run, run starts) once runs crossing a segment of ``dl`` are
+        split there (``brk`` is updated)."""
+        k = starts.size
+        if dl.num_segments == 1 or not k:
+            return np.zeros(k, dtype=np.int64), starts
+        ends = np.empty(k, dtype=np.int64)
+        ends[:-1] = starts[1:] - 1
+        ends[-1] = ids.size - 1
+        both = np.searchsorted(dl.first, ids[np.concatenate((starts, ends))], side="right") - 1
+        s0, s1 = both[:k], both[k:]
+        nb = s1 - s0
+        if not nb.any():
+            return s0, starts
+        run = np.repeat(np.arange(k), nb)
+        j = np.arange(int(nb.sum())) - np.repeat(np.cumsum(nb) - nb, nb)
+        bounds = dl.first[s0[run] + 1 + j]
+        brk[starts[run] + (bounds - ids[starts[run]])] = True
+        starts = np.flatnonzero(brk)
+        return dl.segments(ids[starts]), starts
+
+    def first_length_mismatch(self) -> int | None:
+        """Index of the first pair whose lengths differ, or None."""
+        bad = np.flatnonzero(self.llen != self.rlen)
+        return int(self.starts[bad[0]]) if bad.size else None
+
+    def nbytes(self) -> int:
+        return int((self.counts * self.llen).sum())
+
+    def _tail_head(self, dl: AffineList, ids: np.ndarray, seg: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """Every run's first address, and the end of its last descriptor."""
+        k = self.starts.size
+        at = dl.addresses(ids[np.concatenate((self.starts, self.starts + self.counts - 1))],
+                          np.concatenate((seg, seg)))
+        return at[:k], at[k:] + dl.length[seg]
+
+    def coalesced(self) -> int | None:
+        """Descriptors left after NIXL's coalescing (hkvsim.transport.coalesce), or None when
+        a run's joins depend on positions inside it (then count from rows)."""
+        lj = self.local.step_joins[self.lseg]
+        rj = self.remote.step_joins[self.rseg]
+        if (lj < 0).any() or (rj < 0).any():
+            return None
+        n = int(self.li.size)
+        if self.starts.size <= 1:
+            return n - int(((self.counts - 1) * (lj & rj)).sum())
+        inside = int(((self.counts - 1) * (lj & rj)).sum())
+        lh, lt = self._tail_head(self.local, self.li, self.lseg)
+        rh, rt = self._tail_head(self.remote, self.ri, self.rseg)
+        between = int(np.count_nonzero((lh[1:] == lt[:-1]) & (rh[1:] == rt[:-1])))
+        return n - inside - between
+
+    def rows(self, side: str) -> np.ndarray:
+        """(n, 3) uint64 rows of one side ("local" or "remote")."""
+        dl, ids, seg = ((self.local, self.li, self.lseg) if side == "local"
+                        else (self.remote, self.ri, self.rseg))
+        out = np.empty((ids.size, 3), dtype=np.uint64)
+        per_id = np.repeat(seg, self.counts)
+        out[:, 0] = dl.addresses(ids, per_id)
+        out[:, 1] = dl.length[per_id]
+        out[:, 2] = dl.device
+        return out
+
+    def expand_runs(self, side: str, collapse: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One side's byte runs: (addresses, lengths, run index) int64, one per descriptor,
+        except that every joint run flagged in ``collapse`` (contiguous in memory on this side)
+        comes as one run of its summed length."""
+        dl, ids, seg = ((self.local, self.li, self.lseg) if side == "local"
+                        else (self.remote, self.ri, self.rseg))
+        heads = ids[self.starts]
+        if collapse.all():
+            return (dl.addresses(heads, seg), self.counts * dl.length[seg],
+                    np.arange(self.starts.size))
+        per = np.where(collapse, 1, self.counts)
+        run = np.repeat(np.arange(self.starts.size), per)
+        within = np.arange(run.size) - np.repeat(np.cumsum(per) - per, per)
+        rseg = seg[run]
+        lengths = np.where(collapse, self.counts, 1)[run] * dl.length[rseg]
+        return dl.addresses(heads[run] + within, rseg), lengths, run
+
+    def extents(self, side: str) -> tuple[np.ndarray, np.ndarray]:
+        """(addresses, lengths) int64 of byte runs covering exactly the bytes one side's
+        descriptors name, each inside one segment: a joint run whose ids are contiguous in
+        memory on that side is one run, any other is one run per descriptor."""
+        dl, seg = (self.local, self.lseg) if side == "local" else (self.remote, self.rseg)
+        addrs, lengths, _ = self.expand_runs(side, dl.step_joins[seg] == 1)
+        return addrs, lengths

@@ -14,14 +14,14 @@ from typing import Any, Protocol, runtime_checkable
 import msgpack
 import numpy as np
 
-from .affine import AffineList
+from .affine import AffineList, PairedRuns
 
 __all__ = ["DONE", "PROC", "ERR", "MEM_TYPES", "TransportError", "Memory", "XferTelemetry",
            "Transport", "AgentAnnouncement", "PeerRegistrations", "check_descriptor_array",
            "check_handle", "check_mem_type", "check_op", "live_list", "held_resources", "releasable_xfer", "check_paired_ids", "check_prep_descriptors",
            "check_strided_array", "registration_problem", "PairedDescriptors", "pair_descriptors",
            "decode_agent_metadata", "encode_agent_metadata", "expand_strided", "overlapping",
-           "AffineList", "list_rows", "paired_rows"]
+           "AffineList", "CheckedPairs", "check_pairs", "list_rows", "paired_rows"]
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
 OPS = ("READ", "WRITE")
@@ -195,11 +195,50 @@ def _list_size(descs: "np.ndarray | AffineList") -> int:
     return len(descs) if isinstance(descs, AffineList) else int(descs.shape[0])
 
 
-def paired_rows(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
+class CheckedPairs:
+    """A transfer's paired ids, checked (:func:`check_pairs`): the ids, the bytes, and what a
+    transport derives from the rows -- NIXL's coalesced count, each side's rows, the byte runs
+    of a side. Over two affine lists it works on runs of consecutive ids (no per-descriptor
+    addresses unless rows are asked for); over explicit rows, on the rows."""
+
+    def __init__(self, li: np.ndarray, ri: np.ndarray, nbytes: int, *,
+                 runs: "PairedRuns | None" = None, lrows: np.ndarray | None = None,
+                 rrows: np.ndarray | None = None) -> None:
+        self.li, self.ri, self.nbytes = li, ri, nbytes
+        self._runs, self._rows = runs, {"local": lrows, "remote": rrows}
+
+    @property
+    def runs(self) -> "PairedRuns | None":
+        """The joint runs of consecutive ids (two affine lists), else None."""
+        return self._runs
+
+    def rows(self, side: str) -> np.ndarray:
+        rows = self._rows[side]
+        if rows is None:
+            assert self._runs is not None
+            rows = self._rows[side] = self._runs.rows(side)
+        return rows
+
+    def coalesced(self) -> int:
+        """Descriptors left after NIXL coalesces pairs adjacent on both sides."""
+        from .coalesce import coalesced_count
+
+        n = self._runs.coalesced() if self._runs is not None else None
+        return n if n is not None else coalesced_count(self.rows("local"), self.rows("remote"))
+
+    def extents(self, side: str) -> tuple[np.ndarray, np.ndarray]:
+        """(addresses, lengths) int64 byte runs naming exactly one side's bytes, each inside
+        one registered region's segment (contiguous descriptors may come as one run)."""
+        if self._runs is not None:
+            return self._runs.extents(side)
+        rows = self.rows(side)
+        return rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64)
+
+
+def check_pairs(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
                 remote_descs: "np.ndarray | AffineList", remote_ids: np.ndarray, *, what: str
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    """:func:`check_paired_ids`, also returning both sides' (n, 3) rows (computed once; the
-    caller derives coalescing and landing from them)."""
+                ) -> CheckedPairs:
+    """:func:`check_paired_ids`, keeping what the checks derived (see CheckedPairs)."""
     li = _ids(local_ids, what=what, side="local")
     ri = _ids(remote_ids, what=what, side="remote")
     if li.ndim != 1 or li.shape != ri.shape:
@@ -213,14 +252,31 @@ def paired_rows(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
                 f"{what}: {side} descriptor id out of range at index {bad} (id "
                 f"{int(ids[bad])}); ids span [{ids.min()}, {ids.max()}], the {side} list "
                 f"has {n} descriptors")
-    lrows, rrows = list_rows(local_descs, li), list_rows(remote_descs, ri)
-    ll, rl = lrows[:, 1], rrows[:, 1]
-    if not np.array_equal(ll, rl):
-        i = int(np.flatnonzero(ll != rl)[0])
+    if isinstance(local_descs, AffineList) and isinstance(remote_descs, AffineList):
+        runs = PairedRuns(local_descs, li, remote_descs, ri)
+        i = runs.first_length_mismatch()
+        if i is None:
+            return CheckedPairs(li, ri, runs.nbytes(), runs=runs)
+        ll = int(local_descs.length[local_descs.segments(li[i:i + 1])[0]])
+        rl = int(remote_descs.length[remote_descs.segments(ri[i:i + 1])[0]])
         raise TransportError(f"{what}: descriptor pair {i} (local id {int(li[i])}, remote id "
-                             f"{int(ri[i])}) has local length {int(ll[i])} but remote length "
-                             f"{int(rl[i])}")
-    return li, ri, lrows, rrows, int(ll.sum())
+                             f"{int(ri[i])}) has local length {ll} but remote length {rl}")
+    lrows, rrows = list_rows(local_descs, li), list_rows(remote_descs, ri)
+    lengths_l, lengths_r = lrows[:, 1], rrows[:, 1]
+    if not np.array_equal(lengths_l, lengths_r):
+        i = int(np.flatnonzero(lengths_l != lengths_r)[0])
+        raise TransportError(f"{what}: descriptor pair {i} (local id {int(li[i])}, remote id "
+                             f"{int(ri[i])}) has local length {int(lengths_l[i])} but remote "
+                             f"length {int(lengths_r[i])}")
+    return CheckedPairs(li, ri, int(lengths_l.sum()), lrows=lrows, rrows=rrows)
+
+
+def paired_rows(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
+                remote_descs: "np.ndarray | AffineList", remote_ids: np.ndarray, *, what: str
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """:func:`check_paired_ids`, also returning both sides' (n, 3) rows."""
+    pairs = check_pairs(local_descs, local_ids, remote_descs, remote_ids, what=what)
+    return pairs.li, pairs.ri, pairs.rows("local"), pairs.rows("remote"), pairs.nbytes
 
 
 def check_paired_ids(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
@@ -230,9 +286,8 @@ def check_paired_ids(local_descs: "np.ndarray | AffineList", local_ids: np.ndarr
     arrays or affine lists): equal-length 1-D id lists, every id inside its list (a range
     check), and equal lengths pair by pair (NIXL answers all of these with a bare NOT_FOUND).
     Returns the int64 id arrays and the total bytes."""
-    li, ri, _, _, nbytes = paired_rows(local_descs, local_ids, remote_descs, remote_ids,
-                                       what=what)
-    return li, ri, nbytes
+    pairs = check_pairs(local_descs, local_ids, remote_descs, remote_ids, what=what)
+    return pairs.li, pairs.ri, pairs.nbytes
 
 
 # ---- what a peer announces about its memory -----------------------------------------------------

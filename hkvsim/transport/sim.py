@@ -44,7 +44,7 @@ from .base import (
     overlapping,
     releasable_xfer,
     pair_descriptors,
-    paired_rows,
+    check_pairs,
     registration_problem,
 )
 from .coalesce import coalesced_count, coalesces
@@ -318,16 +318,18 @@ class SimTransport:
         local, remote = self._dlist(local_dlist, "local"), self._dlist(remote_dlist, "remote")
         if local.agent != self.name:
             raise TransportError(f"{self.name}: invalid sides (local list belongs to {local.agent})")
-        li, ri, lrows, rrows, nbytes = paired_rows(
-            local.descs, local_ids, remote.descs, remote_ids,
-            what=f"{self.name}: {op} with {remote.agent}")
+        pairs = check_pairs(local.descs, local_ids, remote.descs, remote_ids,
+                            what=f"{self.name}: {op} with {remote.agent}")
+        li, ri = pairs.li, pairs.ri
         handle = next(self._ids)
         x = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
-                  notif=bytes(notif), nbytes=nbytes, owner=self.world.post_owner,
-                  coalesced=coalesced_count(lrows, rrows) if coalesces("prepped")
-                  else int(li.size), handle=handle)
-        if self.world.landing_guard is not None and li.size:  # rows at hand: derive it now
-            self._set_landing(x, lrows if op == "READ" else rrows)
+                  notif=bytes(notif), nbytes=pairs.nbytes, owner=self.world.post_owner,
+                  coalesced=pairs.coalesced() if coalesces("prepped") else int(li.size),
+                  handle=handle)
+        if self.world.landing_guard is not None and li.size:  # derive it while runs are known
+            dst = self.name if op == "READ" else remote.agent
+            addrs, lengths = pairs.extents("local" if op == "READ" else "remote")
+            x.landing = (dst, addrs, lengths, {})
         self._xfers[handle] = x
         return handle
 

@@ -176,3 +176,98 @@ def test_bad_descriptions_are_refused() -> None:
         AffineList(counts=[1, 2], base=[0], stride=[0, 0], length=[1, 1], device=0)
     with pytest.raises(ValueError, match="ends beyond"):
         AffineList(counts=[3], base=[(1 << 63) - 10], stride=[8], length=[8], device=0)
+
+
+def _pair_reference(lrows: np.ndarray, rrows: np.ndarray) -> tuple[int, int]:
+    """(bytes, NIXL-coalesced count) from explicit rows, with plain Python loops."""
+    count = 0
+    prev = None
+    for (la, ln, ld), (ra, rn, rd) in zip(lrows.tolist(), rrows.tolist()):
+        if prev is None or not (la == prev[0] + prev[1] and ra == prev[2] + prev[3]
+                                and ld == prev[4] and rd == prev[5]):
+            count += 1
+        prev = (la, ln, ra, rn, ld, rd)
+    return int(sum(int(r[1]) for r in lrows.tolist())), count
+
+
+def _covered(addrs: np.ndarray, lengths: np.ndarray) -> list[int]:
+    return sorted(b for a, n in zip(addrs.tolist(), lengths.tolist()) for b in range(a, a + n))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_paired_runs_agree_with_rows(seed: int) -> None:
+    """Checks, bytes, coalescing and destination runs computed per run of consecutive ids equal
+    what the rows give, for ids that cross segments, repeat, go backwards or jump."""
+    from hkvsim.transport.base import check_pairs
+
+    rng = np.random.default_rng(seed)
+    lo, hi = 1 << 30, 1 << 32
+    contiguous = [  # the same lengths as _segments, stride = length where it can be
+        {"count": 6, "base": lo, "stride": 4 * KIB, "length": 4 * KIB},
+        {"count": 8, "base": lo + 64 * KIB, "stride": 4 * KIB, "length": 2 * KIB, "sub": 2,
+         "sub_stride": 2 * KIB},
+        {"count": 5, "base": lo + 128 * KIB, "stride": 512, "length": 512},
+    ]
+    remote_segs = _segments(hi) if seed % 2 else [dict(s, base=s["base"] - lo + hi)
+                                                  for s in contiguous]
+    local_segs = contiguous if seed < 3 else _segments(lo)
+    la, ra = _affine(local_segs), _affine(remote_segs)
+    lref, rref = _reference_rows(local_segs, 0), _reference_rows(remote_segs, 0)
+    # ids with equal lengths on both sides: pick positions by length class
+    by_len: dict[int, tuple[list[int], list[int]]] = {}
+    for i, n in enumerate(lref[:, 1].tolist()):
+        by_len.setdefault(n, ([], []))[0].append(i)
+    for i, n in enumerate(rref[:, 1].tolist()):
+        by_len.setdefault(n, ([], []))[1].append(i)
+    li, ri = [], []
+    for _ in range(12):
+        n = int(rng.choice([k for k, (a, b) in by_len.items() if a and b]))
+        ls, rs = by_len[n]
+        m = int(rng.integers(1, 6))
+        l0, r0 = int(rng.integers(len(ls))), int(rng.integers(len(rs)))
+        li += [ls[min(l0 + k, len(ls) - 1)] for k in range(m)]
+        ri += [rs[min(r0 + k, len(rs) - 1)] for k in range(m)]
+    li_a, ri_a = np.array(li), np.array(ri)
+    pairs = check_pairs(la, li_a, ra, ri_a, what="t")
+    nbytes, coalesced = _pair_reference(lref[li_a], rref[ri_a])
+    assert pairs.nbytes == nbytes
+    assert pairs.coalesced() == coalesced
+    for side, ref, ids in (("local", lref, li_a), ("remote", rref, ri_a)):
+        assert (pairs.rows(side) == ref[ids]).all()
+        addrs, lengths = pairs.extents(side)
+        assert _covered(addrs, lengths) == _covered(ref[ids, 0].astype(np.int64),
+                                                    ref[ids, 1].astype(np.int64))
+    # a whole-list transfer, in order: long runs across every segment boundary
+    whole = np.arange(len(la))
+    same = check_pairs(la, whole, _affine(local_segs), whole, what="t")
+    assert (same.nbytes, same.coalesced()) == _pair_reference(lref, lref)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("mode", ["contiguous", "strided"])
+def test_collapsed_runs_merge_like_rows(seed: int, mode: str) -> None:
+    """Merging a transfer from its collapsed runs gives the rows merging its per-descriptor
+    rows gives (hkvsim.connector.merge.collapsed_pairs), region boundaries included."""
+    from hkvsim.connector.merge import collapsed_pairs, merge_descriptors, region_index
+    from hkvsim.transport.base import check_pairs
+
+    rng = np.random.default_rng(100 + seed)
+    lo, hi = 1 << 30, 1 << 32
+    segs = [{"count": 40, "base": lo, "stride": 4 * KIB, "length": 4 * KIB},
+            {"count": 40, "base": lo + 160 * KIB, "stride": 4 * KIB, "length": 4 * KIB},
+            {"count": 20, "base": lo + 400 * KIB, "stride": 8 * KIB, "length": 4 * KIB}]
+    local, remote = _affine(segs), _affine([dict(s, base=s["base"] - lo + hi) for s in segs])
+    # region bases: one per segment, plus one inside segment 0 (a registration boundary
+    # crossing a contiguous run must stop the merge there)
+    lbases = [lo, lo + 160 * KIB, lo + 400 * KIB] + ([lo + 80 * KIB] if seed % 2 else [])
+    rbases = [hi, hi + 160 * KIB, hi + 400 * KIB]
+    ids = np.concatenate([np.arange(a, a + int(rng.integers(1, 30)))
+                          for a in rng.integers(0, 70, 6)]).clip(0, 99)
+    shifted = np.where(rng.random(ids.size) < 0.1, ids[::-1], ids) if seed > 2 else ids
+    pairs = check_pairs(local, ids, remote, shifted, what="t")
+    lrows, rrows = pairs.rows("local"), pairs.rows("remote")
+    full = merge_descriptors(lrows, rrows, mode, (region_index(lbases, lrows[:, 0]),
+                                                  region_index(rbases, rrows[:, 0])))
+    cl, cr, regions = collapsed_pairs(pairs, lbases, rbases)
+    fast = merge_descriptors(cl, cr, mode, regions)
+    assert (fast.local == full.local).all() and (fast.remote == full.remote).all()
