@@ -61,17 +61,25 @@ class DescriptorList:
         """Bytes of one state slot across every state sub-region."""
         return int(self.affine.length[self.num_attention_regions:].sum())
 
+    @functools.cached_property
+    def _region_starts(self) -> np.ndarray:
+        return (np.arange(self.num_attention_regions, dtype=np.int64)
+                * self.attention_blocks)[:, None]
+
+    @functools.cached_property
+    def _subregion_starts(self) -> np.ndarray:
+        return (self.state_base + np.arange(self.num_state_subregions, dtype=np.int64)
+                * self.state_blocks)[:, None]
+
     def attention_ids(self, block_ids: np.ndarray) -> np.ndarray:
         """ids r*N_fa + k for every attention region r (region-major), k in ``block_ids``."""
         k = np.asarray(block_ids, dtype=np.int64)
-        regions = np.arange(self.num_attention_regions, dtype=np.int64)[:, None]
-        return (regions * self.attention_blocks + k[None, :]).reshape(-1)
+        return (self._region_starts + k[None, :]).reshape(-1)
 
     def state_ids(self, slot_ids: np.ndarray) -> np.ndarray:
         """ids R_fa*N_fa + q*N_log + b for every state sub-region q (q-major), b in ``slot_ids``."""
         b = np.asarray(slot_ids, dtype=np.int64)
-        q = np.arange(self.num_state_subregions, dtype=np.int64)[:, None]
-        return (self.state_base + q * self.state_blocks + b[None, :]).reshape(-1)
+        return (self._subregion_starts + b[None, :]).reshape(-1)
 
 
 def state_region_indices(meta: RankMetadata, state_regions: Sequence[int]) -> np.ndarray:

@@ -337,6 +337,9 @@ class ConnectorWorker:
                     front_trim_with_prefix="front-trim-with-prefix-cache" in quirks)
                 attn_p.append(pairing.remote)
                 attn_d.append(pairing.local)
+            elif d_ids.size == p_ids.size:  # the common case of pair_state_slots
+                state_p.append(p_ids)
+                state_d.append(d_ids)
             else:
                 d_slots, p_slots = pair_state_slots(d_ids, p_ids)
                 state_p.append(p_slots)

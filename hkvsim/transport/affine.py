@@ -177,11 +177,12 @@ class PairedRuns:
     ``ids`` must already be range-checked."""
 
     __slots__ = ("local", "remote", "li", "ri", "starts", "counts", "lseg", "rseg", "llen",
-                 "rlen")
+                 "rlen", "_ends")
 
     def __init__(self, local: AffineList, li: np.ndarray, remote: AffineList,
                  ri: np.ndarray) -> None:
         self.local, self.remote, self.li, self.ri = local, remote, li, ri
+        self._ends: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         n = li.size
         brk = np.empty(n, dtype=bool)
         if n:
@@ -236,13 +237,20 @@ class PairedRuns:
     def nbytes(self) -> int:
         return int((self.counts * self.llen).sum())
 
-    def _tail_head(self, dl: AffineList, ids: np.ndarray, seg: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray]:
-        """Every run's first address, and the end of its last descriptor."""
-        k = self.starts.size
-        at = dl.addresses(ids[np.concatenate((self.starts, self.starts + self.counts - 1))],
-                          np.concatenate((seg, seg)))
-        return at[:k], at[k:] + dl.length[seg]
+    def _side(self, side: str) -> tuple[AffineList, np.ndarray, np.ndarray]:
+        return ((self.local, self.li, self.lseg) if side == "local"
+                else (self.remote, self.ri, self.rseg))
+
+    def _tail_head(self, side: str) -> tuple[np.ndarray, np.ndarray]:
+        """Every run's first address, and the end of its last descriptor (cached)."""
+        got = self._ends.get(side)
+        if got is None:
+            dl, ids, seg = self._side(side)
+            k = self.starts.size
+            at = dl.addresses(ids[np.concatenate((self.starts, self.starts + self.counts - 1))],
+                              np.concatenate((seg, seg)))
+            got = self._ends[side] = (at[:k], at[k:] + dl.length[seg])
+        return got
 
     def coalesced(self) -> int | None:
         """Descriptors left after NIXL's coalescing (hkvsim.transport.coalesce), or None when
@@ -255,8 +263,8 @@ class PairedRuns:
         if self.starts.size <= 1:
             return n - int(((self.counts - 1) * (lj & rj)).sum())
         inside = int(((self.counts - 1) * (lj & rj)).sum())
-        lh, lt = self._tail_head(self.local, self.li, self.lseg)
-        rh, rt = self._tail_head(self.remote, self.ri, self.rseg)
+        lh, lt = self._tail_head("local")
+        rh, rt = self._tail_head("remote")
         between = int(np.count_nonzero((lh[1:] == lt[:-1]) & (rh[1:] == rt[:-1])))
         return n - inside - between
 
@@ -276,12 +284,11 @@ class PairedRuns:
         """One side's byte runs: (addresses, lengths, run index) int64, one per descriptor,
         except that every joint run flagged in ``collapse`` (contiguous in memory on this side)
         comes as one run of its summed length."""
-        dl, ids, seg = ((self.local, self.li, self.lseg) if side == "local"
-                        else (self.remote, self.ri, self.rseg))
-        heads = ids[self.starts]
+        dl, ids, seg = self._side(side)
         if collapse.all():
-            return (dl.addresses(heads, seg), self.counts * dl.length[seg],
+            return (self._tail_head(side)[0], self.counts * dl.length[seg],
                     np.arange(self.starts.size))
+        heads = ids[self.starts]
         per = np.where(collapse, 1, self.counts)
         run = np.repeat(np.arange(self.starts.size), per)
         within = np.arange(run.size) - np.repeat(np.cumsum(per) - per, per)
