@@ -12,7 +12,7 @@ Sizes: ~1k descriptors (Kimi-Linear-48B, 8,192 tokens: 1,134 descriptors) and ~1
 contiguous and strided. Target: >= 20 M descriptors/s (descriptors = the per-block plan's
 descriptor count, whatever merging makes of it).
 
-    .venv/bin/python benchmarks/test_planning_public.py   # the table, without pytest
+    .venv/bin/python benchmarks/test_planning_public.py [--baseline DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -129,15 +129,58 @@ def test_public_planning(benchmark: Any, figures: Any, size: str, merge: str) ->
     assert plan.descriptors == (1_134 if size == "1k" else 112_224)
 
 
-def main() -> None:
-    for size, tokens in SIZES.items():
+def _point(size: str, merge: str) -> dict[str, Any]:
+    plan = PublicPlan(SIZES[size], merge)
+    t = plan.best()
+    return {"size": size, "merge": merge, "descriptors": plan.descriptors, "seconds": t,
+            "rate": plan.descriptors / t}
+
+
+def main(argv: list[str]) -> None:
+    """Print the table; ``--baseline DIR`` also runs every point with ``PYTHONPATH=DIR``
+    (another checkout, e.g. main), alternating child processes; ``--json FILE`` saves it."""
+    import argparse
+    import json
+    import os
+    import subprocess
+
+    ap = argparse.ArgumentParser(description="start_read planning throughput")
+    ap.add_argument("--baseline", default=None, metavar="DIR")
+    ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--point", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.point:
+        print(json.dumps(_point(*args.point)))
+        return
+
+    def child(size: str, merge: str, pythonpath: str | None) -> dict[str, Any]:
+        env = dict(os.environ)
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        out = subprocess.run([sys.executable, __file__, "--point", size, merge], env=env,
+                             capture_output=True, text=True, check=True, timeout=900, cwd="/")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    rows = []
+    for size in SIZES:
         for merge in MODES:
-            plan = PublicPlan(tokens, merge)
-            t = plan.best()
-            print(f"{size:>5} {merge:>10}: {plan.descriptors:>7,} descriptors in "
-                  f"{t * 1e6:9,.0f} us = {plan.descriptors / t / 1e6:6.1f} M desc/s", flush=True)
+            row = {"this": child(size, merge, None)}
+            if args.baseline:
+                row["baseline"] = child(size, merge, args.baseline)
+            t = row["this"]
+            line = (f"{size:>5} {merge:>10}: {t['descriptors']:>7,} descriptors in "
+                    f"{t['seconds'] * 1e6:9,.0f} us = {t['rate'] / 1e6:6.1f} M desc/s")
+            if "baseline" in row:
+                b = row["baseline"]
+                line += (f" | baseline {b['seconds'] * 1e6:9,.0f} us = {b['rate'] / 1e6:6.1f} "
+                         f"M desc/s; speed-up {b['seconds'] / t['seconds']:.1f}x")
+            print(line, flush=True)
+            rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target_rate": TARGET, "points": rows}, f, indent=1)
+            f.write("\n")
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ".")
-    main()
+    main(sys.argv[1:])

@@ -52,12 +52,16 @@ def _segments(base: int) -> list[dict]:
     ]
 
 
-def test_rows_match_the_reference_for_any_ids() -> None:
+@pytest.mark.parametrize("plain", [False, True])
+def test_rows_match_the_reference_for_any_ids(plain: bool) -> None:
     segs = _segments(1 << 30)
+    if plain:  # no sub-block segment: the list takes the plain (sub = 1) arithmetic
+        segs = [s for s in segs if s.get("sub", 1) == 1]
     dl, ref = _affine(segs, device=3), _reference_rows(segs, 3)
-    assert len(dl) == ref.shape[0] == 19
+    assert len(dl) == ref.shape[0] == (11 if plain else 19)
     assert (dl.materialise() == ref).all()
     ids = np.random.default_rng(1).integers(0, len(dl), 200)
+    assert (dl.addresses(ids) == ref[ids, 0].astype(np.int64)).all()
     assert (dl.rows(ids) == ref[ids]).all()
     assert (dl.lengths(ids) == ref[ids, 1].astype(np.int64)).all()
     assert dl.nbytes() == int(ref[:, 1].sum())
