@@ -23,6 +23,15 @@ from tests.connector._helpers import layout, meta, state_regions
 KIB = 1024
 
 
+@pytest.fixture(params=["runs", "rows"])
+def analysis(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with transfers analysed per run of ids (every size) and per descriptor."""
+    from hkvsim.transport import base
+
+    monkeypatch.setattr(base, "RUNS_FROM", 0 if request.param == "runs" else 1 << 40)
+    return request.param
+
+
 def _reference_rows(segments: list[dict], device: int) -> np.ndarray:
     """The list written out descriptor by descriptor (no numpy arithmetic)."""
     rows = []
@@ -124,7 +133,7 @@ def _messages(fn) -> str:
     return str(info.value)
 
 
-def test_sim_transport_treats_both_forms_alike() -> None:
+def test_sim_transport_treats_both_forms_alike(analysis: str) -> None:
     env, world = _world()
     a, b = world.create_agent("t-a", ("a", 0)), world.create_agent("t-b", ("b", 0))
     ma, mb = a.allocate(1 << 20, mem_type="DRAM"), b.allocate(1 << 20, mem_type="DRAM")
@@ -199,7 +208,7 @@ def _covered(addrs: np.ndarray, lengths: np.ndarray) -> list[int]:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_paired_runs_agree_with_rows(seed: int) -> None:
+def test_paired_runs_agree_with_rows(seed: int, analysis: str) -> None:
     """Checks, bytes, coalescing and destination runs computed per run of consecutive ids equal
     what the rows give, for ids that cross segments, repeat, go backwards or jump."""
     from hkvsim.transport.base import check_pairs
@@ -233,6 +242,7 @@ def test_paired_runs_agree_with_rows(seed: int) -> None:
         ri += [rs[min(r0 + k, len(rs) - 1)] for k in range(m)]
     li_a, ri_a = np.array(li), np.array(ri)
     pairs = check_pairs(la, li_a, ra, ri_a, what="t")
+    assert (pairs.runs is not None) == (analysis == "runs")
     nbytes, coalesced = _pair_reference(lref[li_a], rref[ri_a])
     assert pairs.nbytes == nbytes
     assert pairs.coalesced() == coalesced
@@ -249,7 +259,7 @@ def test_paired_runs_agree_with_rows(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("mode", ["contiguous", "strided"])
-def test_collapsed_runs_merge_like_rows(seed: int, mode: str) -> None:
+def test_collapsed_runs_merge_like_rows(seed: int, mode: str, analysis: str) -> None:
     """Merging a transfer from its collapsed runs gives the rows merging its per-descriptor
     rows gives (hkvsim.connector.merge.collapsed_pairs), region boundaries included."""
     from hkvsim.connector.merge import collapsed_pairs, merge_descriptors, region_index
