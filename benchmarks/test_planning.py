@@ -87,7 +87,7 @@ class Plan:
 
     def plan_with_bytes(self) -> int:
         local_ids, remote_ids = self.ids()
-        return int(self.local.descs[local_ids, 1].sum())
+        return int(self.local.affine.lengths(local_ids).sum())
 
 
 def _best(fn: Callable[[], Any], *, min_seconds: float = 0.3, rounds: int = 5) -> float:
@@ -146,7 +146,7 @@ def test_plan_112k_parts(benchmark, figures, plan_112k: Plan, fn: str) -> None:
             heterogeneous_ppl=False, ppl_decode=p.ppl_d, ppl_prefill=p.ppl_p), d_kernel.size),
         "attention_ids": (lambda: p.local.attention_ids(la), la.size * 7),
         "state_ids": (lambda: p.local.state_ids(slots), 84),
-        "gather_bytes": (lambda: int(p.local.descs[local_ids, 1].sum()), local_ids.size),
+        "gather_bytes": (lambda: int(p.local.affine.lengths(local_ids).sum()), local_ids.size),
     }
     call, n = calls[fn]
     benchmark(call)
@@ -156,7 +156,8 @@ def test_plan_112k_parts(benchmark, figures, plan_112k: Plan, fn: str) -> None:
 
 @pytest.mark.parametrize("fn", ["local_descriptors", "remote_descriptors"])
 def test_prepared_lists_112k(benchmark, figures, plan_112k: Plan, fn: str) -> None:
-    """Registration-time lists (built once per engine / per remote rank): O(num_blocks)."""
+    """Registration-time lists (built once per engine / per remote rank): affine descriptions,
+    O(regions), whatever num_blocks is."""
     p = plan_112k
     call = (lambda: local_descriptors(p.d_meta, p.regions)) if fn == "local_descriptors" else (
         lambda: remote_descriptors(p.p_meta, p.d_meta, p.regions, p.plan, bsr=1))
@@ -170,7 +171,7 @@ def test_prepared_lists_112k(benchmark, figures, plan_112k: Plan, fn: str) -> No
 def test_merge_112k(benchmark, figures, plan_112k: Plan, mode: str) -> None:
     p = plan_112k
     local_ids, remote_ids = p.ids()
-    ld, rd = p.local.descs[local_ids], p.remote.descs[remote_ids]
+    ld, rd = p.local.affine.rows(local_ids), p.remote.affine.rows(remote_ids)
     fn = merge_contiguous if mode == "contiguous" else merge_strided
 
     def merge() -> tuple:  # as the worker does it: region keys from both sides' bases

@@ -4,10 +4,11 @@ A verified run keeps real bytes: each rank's cache is a lazily committed buffer 
 committed when first written), and the block pool hands blocks out first-in first-out, so over a
 run an engine touches ``min(its logical blocks, the blocks its requests allocate)`` blocks, each
 ``num_tensors * unified_page_bytes`` per rank. A timing-only run moves no bytes and commits no
-cache page. Both build the prepared descriptor lists (24 B per descriptor: each rank's local
-list; the initiator's ranks also a split list and the list of each remote rank they pair with)
-and keep
-one record per request. The figures are an upper bound of what the run adds on top of the
+cache page. Both prepare descriptor lists (each rank's local list; the initiator's ranks also a
+split list and the list of each remote rank they pair with), kept by the simulated transport as
+affine descriptions (a few numbers per cache region: they do not grow with num_blocks; the
+real NIXL backend materialises them, 24 B per descriptor, in its rank processes), keep the
+block pools' bookkeeping (20 B per logical block per engine) and one record per request. The figures are an upper bound of what the run adds on top of the
 interpreter, which ``BASE_BYTES`` approximates (Python, numpy, simpy and hkvsim imported).
 """
 
@@ -21,8 +22,12 @@ __all__ = ["MemoryEstimate", "MemoryGuardError", "estimate_memory", "available_m
            "describe", "BASE_BYTES"]
 
 BASE_BYTES = 64 * 2**20  # interpreter + imports, measured on CPython 3.11 (50-55 MiB)
-RECORD_BYTES = 8 * 2**10  # one request's record, times and telemetry (measured: 4-6 KiB)
-DESCRIPTOR_BYTES = 24  # one (addr, len, device) row of a prepared list
+# one request's record, times, telemetry and transport bookkeeping: a 100,000-request
+# timing-only Kimi-Linear run (2x P TP4 -> 2x D TP8) peaks at 1,416 MiB, 13.8 KiB per request
+RECORD_BYTES = 14 * 2**10
+POOL_BYTES = 20  # per logical block per engine: free-queue slot (4 B), owner and version (16 B)
+SEGMENT_BYTES = 7 * 8  # one segment of an affine list (seven int64 fields)
+LIST_BYTES = 4 * 2**10  # one prepared list's fixed cost (arrays, ledger entry, handle)
 _ORACLE_BYTES = (1 << 16) * 8 * 4  # the oracle's reusable batches per engine
 
 
@@ -34,11 +39,12 @@ class MemoryEstimate:
     oracle: int  # the oracle's buffers (verified only)
     descriptor_lists: int  # prepared descriptor lists (both kinds of run)
     records: int  # per-request records (both kinds of run)
+    pools: int = 0  # block pools' bookkeeping (both kinds of run)
     base: int = BASE_BYTES
 
     @property
     def timing_only(self) -> int:
-        return self.base + self.descriptor_lists + self.records
+        return self.base + self.descriptor_lists + self.records + self.pools
 
     @property
     def verified(self) -> int:
@@ -47,17 +53,17 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, int]:
         return {"verified_bytes": self.verified, "timing_only_bytes": self.timing_only,
                 "cache_pages_bytes": self.cache_pages, "oracle_bytes": self.oracle,
-                "descriptor_list_bytes": self.descriptor_lists, "records_bytes": self.records}
+                "descriptor_list_bytes": self.descriptor_lists, "records_bytes": self.records, "pool_bytes": self.pools}
 
 
-def _list_rows(layout: Any) -> int:
-    """Descriptors of a rank's full prepared list: attention regions x kernel blocks, then
-    state regions x sub-regions x logical blocks."""
-    rows = len(layout.regions) * layout.num_kernel_blocks
+def _list_bytes(layout: Any) -> int:
+    """One prepared list: one segment per attention region, then one per state region and
+    sub-region (independent of num_blocks)."""
+    segments = len(layout.regions)
     state = layout.model.state
     if layout.is_hybrid and state is not None:
-        rows += len(layout.state_regions) * len(state.subregion_names) * layout.num_logical_blocks
-    return rows
+        segments += len(layout.state_regions) * len(state.subregion_names)
+    return LIST_BYTES + segments * SEGMENT_BYTES
 
 
 def _request_blocks(layout: Any, tokens: int) -> int:
@@ -68,7 +74,7 @@ def _request_blocks(layout: Any, tokens: int) -> int:
 def estimate_memory(dep: Any) -> MemoryEstimate:
     """The estimate for a built deployment (hkvsim.pd.deployment.Deployment)."""
     prompts = [int(p) for p in dep.prompts]
-    cache = oracle = descs = 0
+    cache = oracle = descs = pools = 0
     for role, engines in dep.engines.items():
         if not engines:
             continue
@@ -76,6 +82,7 @@ def estimate_memory(dep: Any) -> MemoryEstimate:
         tokens = [dep.prefill_tokens(p) if role == "prefill" else p for p in prompts]
         wanted = sum(_request_blocks(layout, t) for t in tokens)
         touched = min(len(engines) * layout.num_logical_blocks, wanted)
+        pools += POOL_BYTES * layout.num_logical_blocks * len(engines)
         per_block = layout.num_tensors * layout.unified_page_bytes
         cache += touched * per_block * layout.tp
         oracle += _ORACLE_BYTES * len(engines)
@@ -85,16 +92,16 @@ def estimate_memory(dep: Any) -> MemoryEstimate:
     initiators = dep.engines.get("prefill" if push else "decode", [])
     targets = dep.engines.get("decode" if push else "prefill", [])
     for spec in targets:
-        descs += _list_rows(spec.layout) * DESCRIPTOR_BYTES * spec.layout.tp
+        descs += _list_bytes(spec.layout) * spec.layout.tp
     for spec in initiators:
         layout = spec.layout
         other = targets[0].layout if targets else layout
         peers = max(1, math.ceil(other.tp / layout.tp))
         sub = max(1, other.kernel_block_size // layout.kernel_block_size)
-        rows = _list_rows(layout) * (1 + peers * sub) + peers * _list_rows(other)
-        descs += rows * DESCRIPTOR_BYTES * layout.tp
+        lists = _list_bytes(layout) * (1 + peers * sub) + peers * _list_bytes(other)
+        descs += lists * layout.tp
     return MemoryEstimate(cache_pages=cache, oracle=oracle, descriptor_lists=descs,
-                          records=RECORD_BYTES * len(prompts))
+                          records=RECORD_BYTES * len(prompts), pools=pools)
 
 
 def available_memory() -> int | None:

@@ -1,17 +1,22 @@
 """Descriptor arrays and descriptor ids (docs/semantics.md §3.3-3.4, §5.2-5.4). Vectorised with numpy.
 
-A descriptor list is an (N, 3) uint64 array of (addr, len, device). The order is part of the
-contract: attention descriptors region-major, then state descriptors sub-region-major; local and
-remote lists pair by descriptor id. Nothing here touches memory; it only computes addresses.
+A descriptor list names N (addr, len, device) runs. The order is part of the contract:
+attention descriptors region-major, then state descriptors sub-region-major; local and remote
+lists pair by descriptor id. Lists are built as affine descriptions (hkvsim.transport.affine:
+one segment per region / state sub-region), not (N, 3) arrays: their size does not depend on
+num_blocks. Nothing here touches memory; it only computes addresses.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from ..transport.affine import AffineList
 from .metadata import RankMetadata
 from .tp import SourcePlan
 
@@ -21,32 +26,60 @@ __all__ = ["DescriptorList", "local_descriptors", "split_descriptors", "sliced_d
 
 @dataclass(frozen=True, eq=False)
 class DescriptorList:
-    """A prepared-list's content plus the numbers needed to compute descriptor ids."""
+    """A prepared list's description plus the numbers needed to compute descriptor ids.
 
-    descs: np.ndarray  # (N, 3) uint64: addr, len, device
+    ``affine`` describes the list (one segment per attention region, then one per state
+    region and sub-region): addresses are computed from ids on demand and the list costs the
+    same whatever ``num_blocks`` is. ``descs`` materialises the (N, 3) rows (tests, small
+    lists): O(N)."""
+
+    affine: AffineList
     num_attention_regions: int  # R_fa
     attention_blocks: int  # N_fa: kernel blocks per region (x bsr for a sub-block list)
     num_state_subregions: int  # S * (C + 1)
     state_blocks: int  # N_log: logical blocks per state sub-region
 
     def __len__(self) -> int:
-        return int(self.descs.shape[0])
+        return len(self.affine)
+
+    @property
+    def descs(self) -> np.ndarray:
+        """The (N, 3) uint64 rows (addr, len, device): O(N) memory."""
+        return self.affine.materialise()
 
     @property
     def state_base(self) -> int:
         return self.num_attention_regions * self.attention_blocks
 
+    @functools.cached_property
+    def attention_bytes(self) -> int:
+        """Bytes of one attention block id across every region (one id per region)."""
+        return int(self.affine.length[:self.num_attention_regions].sum())
+
+    @functools.cached_property
+    def state_bytes(self) -> int:
+        """Bytes of one state slot across every state sub-region."""
+        return int(self.affine.length[self.num_attention_regions:].sum())
+
+    @functools.cached_property
+    def _region_starts(self) -> np.ndarray:
+        return (np.arange(self.num_attention_regions, dtype=np.int64)
+                * self.attention_blocks)[:, None]
+
+    @functools.cached_property
+    def _subregion_starts(self) -> np.ndarray:
+        return (self.state_base + np.arange(self.num_state_subregions, dtype=np.int64)
+                * self.state_blocks)[:, None]
+
     def attention_ids(self, block_ids: np.ndarray) -> np.ndarray:
         """ids r*N_fa + k for every attention region r (region-major), k in ``block_ids``."""
         k = np.asarray(block_ids, dtype=np.int64)
-        regions = np.arange(self.num_attention_regions, dtype=np.int64)[:, None]
-        return (regions * self.attention_blocks + k[None, :]).reshape(-1)
+        return (self._region_starts + k[None, :]).reshape(-1)
 
     def state_ids(self, slot_ids: np.ndarray) -> np.ndarray:
         """ids R_fa*N_fa + q*N_log + b for every state sub-region q (q-major), b in ``slot_ids``."""
         b = np.asarray(slot_ids, dtype=np.int64)
-        q = np.arange(self.num_state_subregions, dtype=np.int64)[:, None]
-        return (self.state_base + q * self.state_blocks + b[None, :]).reshape(-1)
+        return (self._subregion_starts + b[None, :]).reshape(-1)
 
 
 def state_region_indices(meta: RankMetadata, state_regions: Sequence[int]) -> np.ndarray:
@@ -54,63 +87,64 @@ def state_region_indices(meta: RankMetadata, state_regions: Sequence[int]) -> np
         0, dtype=np.int64)
 
 
-def _stack(addr: np.ndarray, length: np.ndarray, device: int) -> np.ndarray:
-    out = np.empty((addr.size, 3), dtype=np.uint64)
-    out[:, 0] = addr.reshape(-1)
-    out[:, 1] = np.broadcast_to(length, addr.shape).reshape(-1)
-    out[:, 2] = device
-    return out
+class _Part(NamedTuple):
+    """Segments of one part of a list (see AffineList): per segment count, base, stride,
+    length, sub, sub_stride."""
+
+    counts: np.ndarray
+    base: np.ndarray
+    stride: np.ndarray
+    length: np.ndarray
+    sub: np.ndarray
+    sub_stride: np.ndarray
 
 
 def _attention_part(meta: RankMetadata, sub_blocks: int, lens: np.ndarray,
-                    offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(R, N_fa, sub_blocks) addresses, and lengths broadcastable to them, for the attention part.
+                    offsets: np.ndarray) -> _Part:
+    """One segment per region: id k*sub_blocks + s (kernel block k, sub-block s) at
+    base + offset + k*stride + s*(block_len/sub_blocks).
 
     ``lens`` / ``offsets`` are per region (R,) arrays: descriptor length and start offset within
     each (sub-)block.
     """
-    base = np.asarray(meta.base_addrs, dtype=np.int64)[:, None, None]
-    stride = np.asarray(meta.block_strides, dtype=np.int64)[:, None, None]
-    blocks = np.arange(meta.num_blocks, dtype=np.int64)[None, :, None]
-    sub = np.arange(sub_blocks, dtype=np.int64)[None, None, :]
-    sub_len = (np.asarray(meta.block_lens, dtype=np.int64) // sub_blocks)[:, None, None]
-    # the small terms first, so that only one array of the full size is allocated
-    addr = blocks * stride + (base + sub * sub_len + offsets[:, None, None])
-    return addr, np.asarray(lens, dtype=np.int64)[:, None, None]
+    r = meta.num_regions
+    base = np.asarray(meta.base_addrs, dtype=np.int64) + np.asarray(offsets, dtype=np.int64)
+    sub_len = np.asarray(meta.block_lens, dtype=np.int64) // sub_blocks
+    return _Part(counts=np.full(r, meta.num_blocks * sub_blocks, np.int64), base=base,
+                 stride=np.asarray(meta.block_strides, dtype=np.int64),
+                 length=np.broadcast_to(np.asarray(lens, dtype=np.int64), (r,)),
+                 sub=np.full(r, sub_blocks, np.int64),
+                 sub_stride=sub_len if sub_blocks > 1 else np.zeros(r, np.int64))
 
 
 def _state_part(meta: RankMetadata, regions: np.ndarray, offsets: np.ndarray,
-                sizes: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], int]:
-    """State descriptors: for each state region, sub-region j and logical block b."""
+                sizes: np.ndarray) -> tuple[_Part, int]:
+    """State descriptors: for each state region, sub-region j and logical block b (one
+    segment per (region, j), ids b)."""
     if regions.size == 0:
         return _NO_PART, 0
     ppl = meta.physical_blocks_per_logical
     n_log = meta.num_blocks // ppl
     page = np.asarray(meta.block_lens, dtype=np.int64)[regions] * ppl  # the unified page
     base = np.asarray(meta.base_addrs, dtype=np.int64)[regions]
-    blocks = np.arange(n_log, dtype=np.int64)
-    addr = blocks[None, None, :] * page[:, None, None] + (base[:, None, None]
-                                                          + offsets[None, :, None])
-    return (addr, np.asarray(sizes, dtype=np.int64)[None, :, None]), n_log
+    q = offsets.size
+    n = regions.size * q
+    return _Part(counts=np.full(n, n_log, np.int64),
+                 base=(base[:, None] + np.asarray(offsets, np.int64)[None, :]).reshape(-1),
+                 stride=np.repeat(page, q), length=np.tile(np.asarray(sizes, np.int64),
+                                                           regions.size),
+                 sub=np.ones(n, np.int64), sub_stride=np.zeros(n, np.int64)), n_log
 
 
-_NO_PART = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+_NO_PART = _Part(*(np.zeros(0, dtype=np.int64) for _ in range(6)))
 
 
-def _assemble(meta: RankMetadata, attention: tuple[np.ndarray, np.ndarray], attention_blocks: int,
-              state: tuple[np.ndarray, np.ndarray], n_state_sub: int, n_log: int
-              ) -> DescriptorList:
-    """The (N, 3) list: attention rows then state rows, written in place (no intermediate
-    (N, 2) arrays: lists reach millions of rows at production num_blocks)."""
-    n_att, n_state = attention[0].size, state[0].size
-    descs = np.empty((n_att + n_state, 3), dtype=np.uint64)
-    for start, (addr, length) in ((0, attention), (n_att, state)):
-        if addr.size:
-            rows = descs[start:start + addr.size]
-            rows[:, 0] = addr.reshape(-1)
-            rows[:, 1] = np.broadcast_to(length, addr.shape).reshape(-1)
-    descs[:, 2] = meta.device_id
-    return DescriptorList(descs=descs, num_attention_regions=meta.num_regions,
+def _assemble(meta: RankMetadata, attention: _Part, attention_blocks: int, state: _Part,
+              n_state_sub: int, n_log: int) -> DescriptorList:
+    """The list: attention segments then state segments (its description: no rows)."""
+    affine = AffineList(**{f: np.concatenate([getattr(attention, f), getattr(state, f)])
+                           for f in _Part._fields}, device=meta.device_id)
+    return DescriptorList(affine=affine, num_attention_regions=meta.num_regions,
                           attention_blocks=attention_blocks, num_state_subregions=n_state_sub,
                           state_blocks=n_log)
 

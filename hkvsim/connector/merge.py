@@ -34,14 +34,16 @@ into per-run (N, 3) descriptors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..transport.base import expand_strided
 
 __all__ = ["MERGE_MODES", "MergedPlan", "merge_contiguous", "merge_strided", "merge_descriptors",
-           "expand", "byte_pairs", "region_index"]
+           "expand", "byte_pairs", "region_index", "collapsed_pairs"]
 
 MERGE_MODES = ("off", "contiguous", "strided")
 
@@ -221,6 +223,44 @@ def region_index(bases: "np.ndarray | list[int]", addrs: np.ndarray) -> np.ndarr
     are disjoint, so a region extends at most to the next base)."""
     b = np.sort(np.asarray(bases, dtype=np.uint64))
     return np.searchsorted(b, np.asarray(addrs, dtype=np.uint64), side="right")
+
+
+def collapsed_pairs(pairs: Any, local_bases: Sequence[int], remote_bases: Sequence[int]
+                    ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """A transfer's (local rows, remote rows, regions) ready for :func:`merge_descriptors`, with
+    every run of pairs that the contiguous merge would join anyway given as one row.
+
+    ``pairs``: a checked transfer (hkvsim.transport.base.CheckedPairs). Over affine lists, a
+    joint run of consecutive ids whose descriptors follow each other in memory on both sides
+    (segment stride = length) and stay in one registered region on each side (region of its
+    first and of its last descriptor equal: region_index grows with the address) is a chain the
+    contiguous merge joins link by link; it becomes one row of the summed length, without
+    computing its descriptors' addresses. Merging the result gives the very rows merging the
+    per-descriptor rows gives (both merges start with the contiguous one)."""
+    runs = pairs.runs
+    if runs is None:
+        lo, re = pairs.rows("local"), pairs.rows("remote")
+        return lo, re, (region_index(local_bases, lo[:, 0]), region_index(remote_bases, re[:, 0]))
+    starts, counts = runs.starts, runs.counts
+    last = starts + counts - 1
+    k = starts.size
+    sides = []
+    for dl, ids, seg, bases in ((runs.local, runs.li, runs.lseg, local_bases),
+                                (runs.remote, runs.ri, runs.rseg, remote_bases)):
+        at = dl.addresses(ids[np.concatenate((starts, last))], np.concatenate((seg, seg)))
+        reg = region_index(bases, at)
+        sides.append((dl, seg, at[:k], reg[:k], (dl.step_joins[seg] == 1) & (reg[:k] == reg[k:])))
+    collapse = (sides[0][4] & sides[1][4]) | (counts == 1)  # one descriptor: its own row
+    out = []
+    for (dl, seg, heads, reg, _), side, bases in ((sides[0], "local", local_bases),
+                                                  (sides[1], "remote", remote_bases)):
+        addrs, lengths, _ = runs.expand_runs(side, collapse)
+        rows = np.empty((addrs.size, 3), dtype=np.uint64)
+        rows[:, 0] = addrs
+        rows[:, 1] = lengths
+        rows[:, 2] = dl.device
+        out.append((rows, reg if addrs.size == k else region_index(bases, addrs)))
+    return out[0][0], out[1][0], (out[0][1], out[1][1])
 
 
 def expand(rows: np.ndarray) -> np.ndarray:

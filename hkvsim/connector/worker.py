@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..geometry.layout import EngineLayout
-from ..transport.base import DONE, ERR, PROC, Memory, Transport, TransportError
+from ..transport.base import DONE, ERR, PROC, Memory, Transport, TransportError, check_pairs
 from .blocks import PairingError, expand_logical, pair_attention, pair_state_slots, to_sub_blocks
 from .descriptors import (
     DescriptorList,
@@ -180,7 +180,7 @@ class ConnectorWorker:
     def _local_list(self, sub_blocks: int) -> tuple[DescriptorList, int]:
         if sub_blocks not in self._local_lists:
             dl = local_descriptors(self.metadata, self.state_regions, sub_blocks=sub_blocks)
-            self._local_lists[sub_blocks] = (dl, self.transport.prep_xfer_dlist("", dl.descs))
+            self._local_lists[sub_blocks] = (dl, self.transport.prep_xfer_dlist("", dl.affine))
         return self._local_lists[sub_blocks]
 
     def _split_list(self, plan: SourcePlan, remote_rank: int, sub_blocks: int
@@ -189,7 +189,7 @@ class ConnectorWorker:
         if key not in self._split_lists:
             dl = split_descriptors(self.metadata, self.state_regions, plan, remote_rank,
                                    sub_blocks=sub_blocks)
-            self._split_lists[key] = (dl, self.transport.prep_xfer_dlist("", dl.descs))
+            self._split_lists[key] = (dl, self.transport.prep_xfer_dlist("", dl.affine))
         return self._split_lists[key]
 
     # ---- handshake -----------------------------------------------------------------------
@@ -252,7 +252,7 @@ class ConnectorWorker:
                     rl = remote_descriptors(meta, self.metadata, self.state_regions, plan, bsr=1,
                                             remote_sub_blocks=bsr)
                 step = f"preparing the remote list ({len(rl)} descriptors)"
-                handle = self.transport.prep_xfer_dlist(agent, rl.descs)
+                handle = self.transport.prep_xfer_dlist(agent, rl.affine)
                 remotes[rank] = _RemoteRank(meta=meta, agent=agent, bsr=bsr, plan=plan,
                                             remote_list=rl, remote_handle=handle)
         except TransportError as exc:
@@ -337,6 +337,9 @@ class ConnectorWorker:
                     front_trim_with_prefix="front-trim-with-prefix-cache" in quirks)
                 attn_p.append(pairing.remote)
                 attn_d.append(pairing.local)
+            elif d_ids.size == p_ids.size:  # the common case of pair_state_slots
+                state_p.append(p_ids)
+                state_d.append(d_ids)
             else:
                 d_slots, p_slots = pair_state_slots(d_ids, p_ids)
                 state_p.append(p_slots)
@@ -385,8 +388,10 @@ class ConnectorWorker:
                 rl.attention_ids(ra) if reads_attention else empty,
                 rl.state_ids(rs) if reads_state else empty])
             notif = f"{req.prefill_request_id}:{count}".encode()
+            nbytes = ((la.size * local_list.attention_bytes if reads_attention else 0)
+                      + (ls.size * local_list.state_bytes if reads_state else 0))
             self._post("READ", local_list, local_handle, local_ids, remote, remote_ids, notif,
-                       handles, outcome)
+                       handles, outcome, nbytes)
         return handles
 
     # ---- push (prefill side) --------------------------------------------------------------
@@ -453,23 +458,25 @@ class ConnectorWorker:
                     dl = sliced_descriptors(self.metadata, self.state_regions,
                                             attention_slot=slot, attention_splits=splits,
                                             state_chunk=index, state_splits=len(targets))
-                    self._split_lists[key] = (dl, self.transport.prep_xfer_dlist("", dl.descs))
+                    self._split_lists[key] = (dl, self.transport.prep_xfer_dlist("", dl.affine))
                 local_list, local_handle = self._split_lists[key]
             else:
                 local_list, local_handle = self._local_list(1)
             rl = remote.remote_list
             local_ids = np.concatenate([local_list.attention_ids(la), local_list.state_ids(ls)])
             remote_ids = np.concatenate([rl.attention_ids(ra), rl.state_ids(rs)])
+            nbytes = la.size * local_list.attention_bytes + ls.size * local_list.state_bytes
             self._post("WRITE", local_list, local_handle, local_ids, remote, remote_ids, notif,
-                       handles, outcome)
+                       handles, outcome, nbytes)
         return handles
 
     def _post(self, op: str, local_list: DescriptorList, local_handle: int,
               local_ids: np.ndarray, remote: _RemoteRank, remote_ids: np.ndarray, notif: bytes,
-              handles: list[int], outcome: RequestOutcome) -> None:
+              handles: list[int], outcome: RequestOutcome, nbytes: int) -> None:
         """Create and post one transfer, adding it to ``handles``. If posting raises, this and
         the request's earlier handles are released (kept if still live) and the error re-raised:
-        the request fails as a whole."""
+        the request fails as a whole. ``nbytes``: the bytes ``local_ids`` name (the caller
+        counts them per region from the block counts, without a per-descriptor gather)."""
         handle = self._make_xfer(op, local_list, local_handle, local_ids, remote, remote_ids,
                                  notif)
         try:
@@ -481,7 +488,7 @@ class ConnectorWorker:
             raise
         handles.append(handle)
         outcome.descriptors += int(local_ids.size)
-        outcome.nbytes += int(local_list.descs[local_ids, 1].sum()) if local_ids.size else 0
+        outcome.nbytes += int(nbytes)
         outcome.transfers += 1
 
     def _notify(self, agent: str, message: bytes) -> None:
@@ -506,12 +513,14 @@ class ConnectorWorker:
         if mode == "off":
             return self.transport.make_prepped_xfer(op, local_handle, local_ids,
                                                     remote.remote_handle, remote_ids, notif)
-        from .merge import merge_descriptors, region_index
+        from .merge import collapsed_pairs, merge_descriptors
 
-        local = local_list.descs[local_ids]
-        remote_descs = remote.remote_list.descs[remote_ids]
-        regions = (region_index(self.metadata.base_addrs, local[:, 0]),
-                   region_index(remote.meta.base_addrs, remote_descs[:, 0]))
+        # the prepped path's checks (ids inside both lists, equal lengths), then the rows, runs
+        # that the contiguous merge joins anyway already joined
+        pairs = check_pairs(local_list.affine, local_ids, remote.remote_list.affine, remote_ids,
+                            what=f"{self.transport.name}: {op} with {remote.agent}")
+        local, remote_descs, regions = collapsed_pairs(pairs, self.metadata.base_addrs,
+                                                       remote.meta.base_addrs)
         plan = merge_descriptors(local, remote_descs, mode, regions)
         return self.transport.make_xfer(op, plan.local, remote.agent, plan.remote, notif)
 
@@ -674,7 +683,7 @@ class ConnectorWorker:
             return
         assert self.memory is not None
         dl, _ = self._local_list(bsr)
-        descs = dl.descs[dl.attention_ids(ids)]
+        descs = dl.affine.rows(dl.attention_ids(ids))
         for addr, length in zip(descs[:, 0].tolist(), descs[:, 1].tolist()):
             off = int(addr) - self.memory.base_addr
             self.memory.array[off:off + int(length)] = 0

@@ -18,7 +18,6 @@ Block ids come in two flavours (``[prefill]``/``[decode]`` ``block_ids``):
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -35,31 +34,54 @@ BLOCK_IDS = ("fresh", "warmed")
 class BlockAllocator:
     """A deterministic free queue of logical block ids shared by every HMA group of an engine:
     allocation from the head, frees to the tail; ``tail_first`` frees a request's ids in
-    reverse (vLLM's order)."""
+    reverse (vLLM's order).
+
+    The queue is a numpy ring buffer (4 B per block, allocation and free vectorised): a pool of
+    131k blocks per engine costs 0.5 MiB, not the 5 MiB a deque of Python ints does."""
 
     def __init__(self, num_blocks: int, *, tail_first: bool = False) -> None:
         self.num_blocks = num_blocks
         self.tail_first = tail_first
-        self._free: deque[int] = deque(range(num_blocks))
+        self._ring = np.arange(num_blocks, dtype=np.int32 if num_blocks < 2**31 else np.int64)
+        self._head = 0
+        self._count = num_blocks
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self._count
+
+    def _positions(self, start: int, n: int) -> np.ndarray | slice:
+        cap = self._ring.size
+        start %= cap if cap else 1
+        return slice(start, start + n) if start + n <= cap else (
+            (start + np.arange(n)) % cap)
 
     def allocate(self, n: int) -> np.ndarray:
-        if n > len(self._free):
-            raise MemoryError(f"need {n} blocks, {len(self._free)} free of {self.num_blocks}")
-        return np.array([self._free.popleft() for _ in range(n)], dtype=np.int64)
+        if n > self._count:
+            raise MemoryError(f"need {n} blocks, {self._count} free of {self.num_blocks}")
+        out = self._ring[self._positions(self._head, n)].astype(np.int64)
+        self._head = (self._head + n) % max(self._ring.size, 1)
+        self._count -= n
+        return out
 
     def free(self, ids: np.ndarray) -> None:
-        self._free.extend(int(i) for i in (ids[::-1] if self.tail_first else ids))
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.tail_first:
+            ids = ids[::-1]
+        if self._count + ids.size > self._ring.size:  # more frees than blocks: grow the ring
+            order = self.free_order()
+            self._ring = np.empty(self._count + ids.size, dtype=np.int64)
+            self._ring[:order.size] = order
+            self._head = 0
+        self._ring[self._positions(self._head + self._count, ids.size)] = ids
+        self._count += int(ids.size)
 
     def free_order(self) -> np.ndarray:
         """The free queue, head first (what the next allocations get)."""
-        return np.fromiter(self._free, dtype=np.int64, count=len(self._free))
+        return self._ring[self._positions(self._head, self._count)].astype(np.int64)
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._count
 
 
 class EnginePool:

@@ -14,11 +14,14 @@ from typing import Any, Protocol, runtime_checkable
 import msgpack
 import numpy as np
 
+from .affine import AffineList, PairedRuns
+
 __all__ = ["DONE", "PROC", "ERR", "MEM_TYPES", "TransportError", "Memory", "XferTelemetry",
            "Transport", "AgentAnnouncement", "PeerRegistrations", "check_descriptor_array",
            "check_handle", "check_mem_type", "check_op", "live_list", "held_resources", "releasable_xfer", "check_paired_ids", "check_prep_descriptors",
            "check_strided_array", "registration_problem", "PairedDescriptors", "pair_descriptors",
-           "decode_agent_metadata", "encode_agent_metadata", "expand_strided", "overlapping"]
+           "decode_agent_metadata", "encode_agent_metadata", "expand_strided", "overlapping",
+           "AffineList", "CheckedPairs", "check_pairs", "list_rows", "paired_rows"]
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
 OPS = ("READ", "WRITE")
@@ -188,31 +191,114 @@ def expand_strided(rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def check_paired_ids(local_descs: np.ndarray, local_ids: np.ndarray, remote_descs: np.ndarray,
-                     remote_ids: np.ndarray, *, what: str) -> tuple[np.ndarray, np.ndarray, int]:
-    """Validate a transfer's paired descriptor ids against two prepared lists: equal-length 1-D
-    id lists, every id inside its list, and equal lengths pair by pair (NIXL answers all of these
-    with a bare NOT_FOUND). Returns the int64 id arrays and the total bytes."""
+def list_rows(descs: "np.ndarray | AffineList", ids: np.ndarray) -> np.ndarray:
+    """(n, 3) uint64 rows of ``ids`` (already checked) in a prepared list of either form."""
+    return descs.rows(ids) if isinstance(descs, AffineList) else descs[ids]
+
+
+def _list_size(descs: "np.ndarray | AffineList") -> int:
+    return len(descs) if isinstance(descs, AffineList) else int(descs.shape[0])
+
+
+#: transfers of at least this many descriptors over two affine lists are analysed per run of
+#: consecutive ids; smaller ones per descriptor (fewer numpy calls). Both give the same answers.
+RUNS_FROM = 2048
+
+
+class CheckedPairs:
+    """A transfer's paired ids, checked (:func:`check_pairs`): the ids, the bytes, and what a
+    transport derives from the rows -- NIXL's coalesced count, each side's rows, the byte runs
+    of a side. Over two affine lists it works on runs of consecutive ids (no per-descriptor
+    addresses unless rows are asked for); over explicit rows, on the rows."""
+
+    def __init__(self, li: np.ndarray, ri: np.ndarray, nbytes: int, *,
+                 runs: "PairedRuns | None" = None, lrows: np.ndarray | None = None,
+                 rrows: np.ndarray | None = None) -> None:
+        self.li, self.ri, self.nbytes = li, ri, nbytes
+        self._runs, self._rows = runs, {"local": lrows, "remote": rrows}
+
+    @property
+    def runs(self) -> "PairedRuns | None":
+        """The joint runs of consecutive ids (two affine lists), else None."""
+        return self._runs
+
+    def rows(self, side: str) -> np.ndarray:
+        rows = self._rows[side]
+        if rows is None:
+            assert self._runs is not None
+            rows = self._rows[side] = self._runs.rows(side)
+        return rows
+
+    def coalesced(self) -> int:
+        """Descriptors left after NIXL coalesces pairs adjacent on both sides."""
+        from .coalesce import coalesced_count
+
+        n = self._runs.coalesced() if self._runs is not None else None
+        return n if n is not None else coalesced_count(self.rows("local"), self.rows("remote"))
+
+    def extents(self, side: str) -> tuple[np.ndarray, np.ndarray]:
+        """(addresses, lengths) int64 byte runs naming exactly one side's bytes, each inside
+        one registered region's segment (contiguous descriptors may come as one run)."""
+        if self._runs is not None:
+            return self._runs.extents(side)
+        rows = self.rows(side)
+        return rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64)
+
+
+def check_pairs(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
+                remote_descs: "np.ndarray | AffineList", remote_ids: np.ndarray, *, what: str
+                ) -> CheckedPairs:
+    """:func:`check_paired_ids`, keeping what the checks derived (see CheckedPairs)."""
     li = _ids(local_ids, what=what, side="local")
     ri = _ids(remote_ids, what=what, side="remote")
     if li.ndim != 1 or li.shape != ri.shape:
         raise TransportError(f"{what}: local and remote id lists differ in length "
                              f"({li.size} vs {ri.size})")
     for ids, descs, side in ((li, local_descs, "local"), (ri, remote_descs, "remote")):
-        n = descs.shape[0]
+        n = _list_size(descs)
         if ids.size and (ids.min() < 0 or ids.max() >= n):
             bad = int(np.flatnonzero((ids < 0) | (ids >= n))[0])
             raise TransportError(
                 f"{what}: {side} descriptor id out of range at index {bad} (id "
                 f"{int(ids[bad])}); ids span [{ids.min()}, {ids.max()}], the {side} list "
                 f"has {n} descriptors")
-    ll, rl = local_descs[li, 1], remote_descs[ri, 1]
-    if not np.array_equal(ll, rl):
-        i = int(np.flatnonzero(ll != rl)[0])
+    if (isinstance(local_descs, AffineList) and isinstance(remote_descs, AffineList)
+            and li.size >= RUNS_FROM):
+        runs = PairedRuns(local_descs, li, remote_descs, ri)
+        i = runs.first_length_mismatch()
+        if i is None:
+            return CheckedPairs(li, ri, runs.nbytes(), runs=runs)
+        ll = int(local_descs.length[local_descs.segments(li[i:i + 1])[0]])
+        rl = int(remote_descs.length[remote_descs.segments(ri[i:i + 1])[0]])
         raise TransportError(f"{what}: descriptor pair {i} (local id {int(li[i])}, remote id "
-                             f"{int(ri[i])}) has local length {int(ll[i])} but remote length "
-                             f"{int(rl[i])}")
-    return li, ri, int(ll.sum())
+                             f"{int(ri[i])}) has local length {ll} but remote length {rl}")
+    lrows, rrows = list_rows(local_descs, li), list_rows(remote_descs, ri)
+    lengths_l, lengths_r = lrows[:, 1], rrows[:, 1]
+    if not np.array_equal(lengths_l, lengths_r):
+        i = int(np.flatnonzero(lengths_l != lengths_r)[0])
+        raise TransportError(f"{what}: descriptor pair {i} (local id {int(li[i])}, remote id "
+                             f"{int(ri[i])}) has local length {int(lengths_l[i])} but remote "
+                             f"length {int(lengths_r[i])}")
+    return CheckedPairs(li, ri, int(lengths_l.sum()), lrows=lrows, rrows=rrows)
+
+
+def paired_rows(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
+                remote_descs: "np.ndarray | AffineList", remote_ids: np.ndarray, *, what: str
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """:func:`check_paired_ids`, also returning both sides' (n, 3) rows."""
+    pairs = check_pairs(local_descs, local_ids, remote_descs, remote_ids, what=what)
+    return pairs.li, pairs.ri, pairs.rows("local"), pairs.rows("remote"), pairs.nbytes
+
+
+def check_paired_ids(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
+                     remote_descs: "np.ndarray | AffineList", remote_ids: np.ndarray, *,
+                     what: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """Validate a transfer's paired descriptor ids against two prepared lists (explicit (N, 3)
+    arrays or affine lists): equal-length 1-D id lists, every id inside its list (a range
+    check), and equal lengths pair by pair (NIXL answers all of these with a bare NOT_FOUND).
+    Returns the int64 id arrays and the total bytes."""
+    pairs = check_pairs(local_descs, local_ids, remote_descs, remote_ids, what=what)
+    return pairs.li, pairs.ri, pairs.nbytes
 
 
 # ---- what a peer announces about its memory -----------------------------------------------------
@@ -287,8 +373,18 @@ def decode_agent_metadata(blob: Any, *, what: str) -> AgentAnnouncement:
     return AgentAnnouncement(name=name, native=native, regions=arr)
 
 
-def overlapping(descs: np.ndarray, ranges: np.ndarray) -> bool:
-    """Whether any (addr, len, device) descriptor overlaps any (addr, len, device) range."""
+def overlapping(descs: "np.ndarray | AffineList", ranges: np.ndarray) -> bool:
+    """Whether any (addr, len, device) descriptor overlaps any (addr, len, device) range (an
+    affine list: segment by segment, materialising only segments whose extent overlaps)."""
+    if isinstance(descs, AffineList):
+        if not ranges.shape[0]:
+            return False
+        same_dev = ranges[ranges[:, 2] == descs.device]
+        for s, _, lo, hi in descs.hulls():
+            if any(lo < int(a) + int(n) and hi > int(a) for a, n, _ in same_dev):
+                if overlapping(descs.segment_rows(s), ranges):
+                    return True
+        return False
     if descs.shape[0] == 0 or ranges.shape[0] == 0:
         return False
     addr, end, dev = descs[:, 0:1], descs[:, 0:1] + descs[:, 1:2], descs[:, 2:3]
@@ -328,13 +424,27 @@ class PeerRegistrations:
                                     whose=f"the memory remote agent {agent} has registered")
 
 
-def registration_problem(descs: np.ndarray, ranges: np.ndarray, *, whose: str) -> str | None:
+def registration_problem(descs: "np.ndarray | AffineList", ranges: np.ndarray, *, whose: str,
+                         first_index: int = 0) -> str | None:
     """Why ``descs`` (N, 3) (addr, len, device) do not all lie inside ``ranges`` (K, 3)
     (base, len, device), or None. One check for local lists (a transport's own registrations)
-    and remote ones (what a peer announced), on every transport."""
+    and remote ones (what a peer announced), on every transport. An affine list is checked
+    segment by segment: a segment whose whole extent lies in one range is inside; any other is
+    materialised and checked descriptor by descriptor (the same answer, the same message).
+    ``first_index``: the id of ``descs``' first row (in the message)."""
+    ranges = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
+    if isinstance(descs, AffineList):
+        spans = [(int(a), int(a) + int(n)) for a, n, d in ranges if int(d) == descs.device]
+        for s, first, lo, hi in descs.hulls():
+            if any(a <= lo and hi <= end for a, end in spans):
+                continue
+            problem = registration_problem(descs.segment_rows(s), ranges, whose=whose,
+                                           first_index=first)
+            if problem is not None:
+                return problem
+        return None
     if descs.shape[0] == 0:
         return None
-    ranges = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
     addr, length, dev = descs[:, 0:1], descs[:, 1:2], descs[:, 2:3]
     end = addr + length
     inside = ((end >= addr) & (addr >= ranges[None, :, 0])
@@ -343,9 +453,10 @@ def registration_problem(descs: np.ndarray, ranges: np.ndarray, *, whose: str) -
     if inside.all():
         return None
     i = int(np.flatnonzero(~inside)[0])
+    index = first_index + i
     listed = ", ".join(f"[{int(lo):#x}, {int(lo + n):#x}) device {int(d)}"
                        for lo, n, d in ranges[:4]) or "none"
-    return (f"descriptor {i} ({int(descs[i, 0]):#x}, {int(descs[i, 1])} B, device "
+    return (f"descriptor {index} ({int(descs[i, 0]):#x}, {int(descs[i, 1])} B, device "
             f"{int(descs[i, 2])}) is outside {whose} "
             f"(registered: {listed}{', ...' if ranges.shape[0] > 4 else ''})")
 
@@ -391,9 +502,17 @@ def pair_descriptors(local_descs: Any, remote_descs: Any, *, what: str) -> Paire
     return PairedDescriptors(local=ld, remote=rd, local_strided=lrows, remote_strided=rrows)
 
 
-def check_prep_descriptors(descs: np.ndarray, *, what: str) -> np.ndarray:
-    """A list to prepare: a well-formed (N, 3) array with no zero-length descriptor (NIXL
-    accepts one silently; both transports refuse it)."""
+def check_prep_descriptors(descs: "np.ndarray | AffineList", *, what: str
+                           ) -> "np.ndarray | AffineList":
+    """A list to prepare: a well-formed (N, 3) array, or an affine list (well-formed by
+    construction), with no zero-length descriptor (NIXL accepts one silently; both transports
+    refuse it)."""
+    if isinstance(descs, AffineList):
+        i = descs.zero_length_id()
+        if i is not None:
+            raise TransportError(f"{what}: descriptor {i} has length 0 (NIXL accepts it "
+                                 f"silently; we refuse it)")
+        return descs
     arr = np.ascontiguousarray(check_descriptor_array(descs, what=what), dtype=np.uint64)
     if arr.shape[0] and (arr[:, 1] == 0).any():
         i = int(np.flatnonzero(arr[:, 1] == 0)[0])

@@ -64,6 +64,7 @@ from .base import (
     Memory,
     PeerRegistrations,
     TransportError,
+    AffineList,
     XferTelemetry,
     check_descriptor_array,
     check_handle,
@@ -404,11 +405,14 @@ class NixlTransport:
             pass
 
     # ---- descriptor lists ----------------------------------------------------------------
-    def prep_xfer_dlist(self, agent: str, descs: np.ndarray, *, mem_type: str | None = None
-                        ) -> int:
+    def prep_xfer_dlist(self, agent: str, descs: "np.ndarray | AffineList", *,
+                        mem_type: str | None = None) -> int:
         """``agent`` = "" for a local list (checked against our registrations), else the name of
-        an added remote agent. ``mem_type`` defaults to our registered memory's type."""
+        an added remote agent. ``mem_type`` defaults to our registered memory's type. NIXL
+        prepares explicit rows: an affine list is materialised here (the only place that does)."""
         self._check_open()
+        if isinstance(descs, AffineList):
+            descs = descs.materialise()
         what = f"{self.name}: prep_xfer_dlist({'local' if not agent else agent})"
         if mem_type is not None:
             check_mem_type(mem_type, what=what)

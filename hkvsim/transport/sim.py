@@ -32,7 +32,7 @@ from .base import (
     check_handle,
     check_mem_type,
     check_op,
-    check_paired_ids,
+    AffineList,
     check_prep_descriptors,
     check_strided_array,
     decode_agent_metadata,
@@ -40,9 +40,11 @@ from .base import (
     expand_strided,
     held_resources,
     live_list,
+    list_rows,
     overlapping,
     releasable_xfer,
     pair_descriptors,
+    check_pairs,
     registration_problem,
 )
 from .coalesce import coalesced_count, coalesces
@@ -81,7 +83,7 @@ class _Xfer:
 @dataclass(eq=False, slots=True)
 class _DList:
     agent: str
-    descs: np.ndarray
+    descs: "np.ndarray | AffineList"  # explicit (N, 3) rows, or the list's description
     released: bool = False
     stale: str | None = None  # why it may no longer be used
 
@@ -224,7 +226,7 @@ class SimTransport:
     def _extent(self, memory: Memory) -> tuple[int, int, int]:
         return memory.base_addr, self._sizes.get(id(memory), memory.nbytes), memory.device_id
 
-    def _own_registration_problem(self, descs: np.ndarray) -> str | None:
+    def _own_registration_problem(self, descs: "np.ndarray | AffineList") -> str | None:
         regions = [self._extent(m) for m in self.world.agent(self.name).memories]
         return registration_problem(descs, np.array(regions, dtype=np.uint64).reshape(-1, 3),
                                     whose="the registered memory")
@@ -278,8 +280,11 @@ class SimTransport:
         self._peers.forget(name)
 
     # ---- descriptor lists ----------------------------------------------------------------
-    def prep_xfer_dlist(self, agent: str, descs: np.ndarray, *, mem_type: str | None = None
-                        ) -> int:
+    def prep_xfer_dlist(self, agent: str, descs: "np.ndarray | AffineList", *,
+                        mem_type: str | None = None) -> int:
+        """Prepare a list: explicit (N, 3) rows, or an affine list, kept as its description
+        (addresses are computed from ids when a transfer uses them); either must lie in
+        registered memory."""
         what = f"{self.name}: prep_xfer_dlist({agent or 'local'})"
         if mem_type is not None:
             check_mem_type(mem_type, what=what)
@@ -313,14 +318,19 @@ class SimTransport:
         local, remote = self._dlist(local_dlist, "local"), self._dlist(remote_dlist, "remote")
         if local.agent != self.name:
             raise TransportError(f"{self.name}: invalid sides (local list belongs to {local.agent})")
-        li, ri, nbytes = check_paired_ids(local.descs, local_ids, remote.descs, remote_ids,
-                                          what=f"{self.name}: {op} with {remote.agent}")
+        pairs = check_pairs(local.descs, local_ids, remote.descs, remote_ids,
+                            what=f"{self.name}: {op} with {remote.agent}")
+        li, ri = pairs.li, pairs.ri
         handle = next(self._ids)
-        self._xfers[handle] = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
-                                    notif=bytes(notif), nbytes=nbytes, owner=self.world.post_owner,
-                                    coalesced=coalesced_count(local.descs[li], remote.descs[ri])
-                                    if coalesces("prepped") else int(li.size),
-                                    handle=handle)
+        x = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
+                  notif=bytes(notif), nbytes=pairs.nbytes, owner=self.world.post_owner,
+                  coalesced=pairs.coalesced() if coalesces("prepped") else int(li.size),
+                  handle=handle)
+        if self.world.landing_guard is not None and li.size:  # derive it while runs are known
+            dst = self.name if op == "READ" else remote.agent
+            addrs, lengths = pairs.extents("local" if op == "READ" else "remote")
+            x.landing = (dst, addrs, lengths, {})
+        self._xfers[handle] = x
         return handle
 
     def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
@@ -455,16 +465,20 @@ class SimTransport:
             return False
         if x.landing is None:  # the destination runs are fixed once posted: derive them once
             if x.op == "READ":
-                dst, descs, ids = self.name, x.local.descs, x.local_ids
+                rows = list_rows(x.local.descs, x.local_ids)
             else:
-                dst, descs, ids = x.remote.agent, x.remote.descs, x.remote_ids
-            rows = descs[ids]
-            x.landing = (dst, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64), {})
+                rows = list_rows(x.remote.descs, x.remote_ids)
+            self._set_landing(x, rows)
         dst, addrs, lengths, memo = x.landing
         return bool(guard(dst, addrs, lengths, x.owner, landed, memo=memo))
 
+    def _set_landing(self, x: _Xfer, rows: np.ndarray) -> None:
+        """The destination runs of ``x``: (agent, addresses, lengths, guard memo)."""
+        dst = self.name if x.op == "READ" else x.remote.agent
+        x.landing = (dst, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64), {})
+
     def _move(self, x: _Xfer, me: _Agent, remote: _Agent) -> None:
-        ld, rd = x.local.descs[x.local_ids], x.remote.descs[x.remote_ids]
+        ld, rd = list_rows(x.local.descs, x.local_ids), list_rows(x.remote.descs, x.remote_ids)
         lengths = ld[:, 1].astype(np.int64)
         lmem, loff = _resolve(me.memories, ld[:, 0].astype(np.int64), lengths, self.name)
         rmem, roff = _resolve(remote.memories, rd[:, 0].astype(np.int64), lengths, remote.name)

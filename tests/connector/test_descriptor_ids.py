@@ -18,12 +18,15 @@ from hkvsim.geometry.specs import (
     mamba2_state,
 )
 
+from hkvsim.transport.affine import AffineList
+
 from ._helpers import layout, meta, state_regions
 
 
 def _list(*, regions: int, n_fa: int, subregions: int, n_log: int) -> DescriptorList:
     n = regions * n_fa + subregions * n_log
-    return DescriptorList(descs=np.zeros((n, 3), dtype=np.uint64), num_attention_regions=regions,
+    affine = AffineList(counts=[n], base=[0], stride=[1], length=[1], device=0)
+    return DescriptorList(affine=affine, num_attention_regions=regions,
                           attention_blocks=n_fa, num_state_subregions=subregions,
                           state_blocks=n_log)
 

@@ -1,0 +1,186 @@
+"""Per-request planning through the public call (issue #14 item 5 / target 1).
+
+``ConnectorWorker.start_read`` on a decode rank handshaken with a prefill rank over the
+simulated transport, timed call by call: block expansion and pairing, descriptor ids, the
+transport's id validation (range checks, paired lengths), byte sums, NIXL's coalescing count
+and the post onto the fabric -- everything the connector does for one request before the
+bytes move. The simulated transfer is then run to completion and the request polled and
+released, untimed, so every timed call starts from the same state.
+
+Sizes: ~1k descriptors (Kimi-Linear-48B, 8,192 tokens: 1,134 descriptors) and ~112k
+(1,025,280 tokens, Kimi-Linear's 1M context: 112,224), each with ``descriptor_merge`` off,
+contiguous and strided. Target: >= 20 M descriptors/s (descriptors = the per-block plan's
+descriptor count, whatever merging makes of it).
+
+    .venv/bin/python benchmarks/test_planning_public.py [--baseline DIR] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+TARGET = 20e6  # descriptors per second
+SIZES = {"1k": 8_193, "112k": 1_025_281}  # prompt tokens (N - 1 tokens are transferred)
+MODES = ("off", "contiguous", "strided")
+
+SCENARIO = """
+[scenario]
+name = "public planning"
+[model]
+preset = "kimi-linear-48b"
+[prefill]
+tp = 1
+[decode]
+tp = 1
+[workload]
+requests = 1
+prompt_tokens = 1000
+"""
+
+
+class PublicPlan:
+    """A decode and a prefill ConnectorWorker over SimTransport, handshaken, and the
+    ReadRequest of one ``tokens``-token prompt (consecutive blocks from 1)."""
+
+    def __init__(self, tokens: int, merge: str) -> None:
+        import simpy
+
+        from hkvsim.connector.worker import ConnectorSettings, ConnectorWorker, ReadRequest
+        from hkvsim.fabric import Fabric, load_profile, place_engines
+        from hkvsim.pd.deployment import engine_layout
+        from hkvsim.scenario import parse_scenarios
+        from hkvsim.transport.sim import SimWorld
+
+        (scenario,) = parse_scenarios(SCENARIO)
+        self.env = simpy.Environment()
+        profile = load_profile("cpu-ucx-loopback")
+        fabric = Fabric(self.env, profile, place_engines(profile, [("prefill0", "prefill", 1),
+                                                                    ("decode0", "decode", 1)]))
+        world = SimWorld(self.env, fabric, move_bytes=False)
+        workers = {}
+        for role in ("prefill", "decode"):
+            probe = engine_layout(scenario.model_spec(), getattr(scenario, role), num_blocks=1,
+                                  registration_order=scenario.connector.registration_order,
+                                  quirks=frozenset())
+            logical = probe.blocks_for_tokens(tokens - 1) + 8
+            layout = engine_layout(scenario.model_spec(), getattr(scenario, role),
+                                   num_blocks=logical * probe.physical_blocks_per_logical,
+                                   registration_order=scenario.connector.registration_order,
+                                   quirks=frozenset())
+            w = ConnectorWorker(engine_id=f"{role}0", role=role, tp_rank=0, layout=layout,
+                                transport=world.create_agent(f"{role}0.0", (f"{role}0", 0)),
+                                settings=ConnectorSettings(descriptor_merge=merge))
+            w.register(mem_type="DRAM")
+            workers[role] = w
+        self.decode, prefill = workers["decode"], workers["prefill"]
+        self.decode.connect("prefill0", {0: prefill.handshake_payload()})
+        blocks: dict[int, np.ndarray] = {}
+        layout = self.decode.layout
+        n = layout.blocks_for_tokens(tokens - 1)
+        for group in layout.groups:
+            blocks[group.group_id] = (np.arange(1, n + 1) if group.kind == "attention"
+                                      else np.array([n + 1 + group.group_id]))
+        self.request = ReadRequest(request_id="r", prefill_request_id="r", remote_engine="prefill0",
+                                   prefill_blocks=blocks, decode_blocks=blocks)
+        self.descriptors = self.once()[1]
+
+    def once(self) -> tuple[float, int]:
+        """One timed start_read (seconds, descriptors), then the untimed completion."""
+        t0 = time.perf_counter()
+        outcome = self.decode.start_read(self.request)
+        elapsed = time.perf_counter() - t0
+        while outcome is None:
+            self.env.run()
+            done = self.decode.poll(self.decode.transport.take_finished())
+            outcome = done[0] if done else None
+        if not outcome.ok:
+            raise RuntimeError(f"start_read failed: {outcome.reason}")
+        return elapsed, outcome.descriptors
+
+    def best(self, *, min_seconds: float = 0.3, rounds: int = 5) -> float:
+        """Best per-call time over ``rounds`` batches lasting ``min_seconds`` in all."""
+        n = 1
+        while True:
+            total = sum(self.once()[0] for _ in range(n))
+            if total >= min_seconds / rounds or n >= 1 << 12:
+                break
+            n *= 2
+        return min(sum(self.once()[0] for _ in range(n)) / n for _ in range(rounds))
+
+
+@pytest.fixture(scope="module", params=list(SIZES))
+def size(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.mark.parametrize("merge", MODES)
+def test_public_planning(benchmark: Any, figures: Any, size: str, merge: str) -> None:
+    plan = PublicPlan(SIZES[size], merge)
+    benchmark.pedantic(plan.once, rounds=3, iterations=1)
+    rate = plan.descriptors / plan.best()
+    figures.add(f"public start_read: {plan.descriptors:,} descriptors, merge {merge}",
+                rate / 1e6, "M desc/s", target=">= 20", met=rate >= TARGET)
+    benchmark.extra_info["descriptors_per_second"] = rate
+    assert plan.descriptors == (1_134 if size == "1k" else 112_224)
+
+
+def _point(size: str, merge: str) -> dict[str, Any]:
+    plan = PublicPlan(SIZES[size], merge)
+    t = plan.best()
+    return {"size": size, "merge": merge, "descriptors": plan.descriptors, "seconds": t,
+            "rate": plan.descriptors / t}
+
+
+def main(argv: list[str]) -> None:
+    """Print the table; ``--baseline DIR`` also runs every point with ``PYTHONPATH=DIR``
+    (another checkout, e.g. main), alternating child processes; ``--json FILE`` saves it."""
+    import argparse
+    import json
+    import os
+    import subprocess
+
+    ap = argparse.ArgumentParser(description="start_read planning throughput")
+    ap.add_argument("--baseline", default=None, metavar="DIR")
+    ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--point", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.point:
+        print(json.dumps(_point(*args.point)))
+        return
+
+    def child(size: str, merge: str, pythonpath: str | None) -> dict[str, Any]:
+        env = dict(os.environ)
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        out = subprocess.run([sys.executable, __file__, "--point", size, merge], env=env,
+                             capture_output=True, text=True, check=True, timeout=900, cwd="/")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    rows = []
+    for size in SIZES:
+        for merge in MODES:
+            row = {"this": child(size, merge, None)}
+            if args.baseline:
+                row["baseline"] = child(size, merge, args.baseline)
+            t = row["this"]
+            line = (f"{size:>5} {merge:>10}: {t['descriptors']:>7,} descriptors in "
+                    f"{t['seconds'] * 1e6:9,.0f} us = {t['rate'] / 1e6:6.1f} M desc/s")
+            if "baseline" in row:
+                b = row["baseline"]
+                line += (f" | baseline {b['seconds'] * 1e6:9,.0f} us = {b['rate'] / 1e6:6.1f} "
+                         f"M desc/s; speed-up {b['seconds'] / t['seconds']:.1f}x")
+            print(line, flush=True)
+            rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target_rate": TARGET, "points": rows}, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
