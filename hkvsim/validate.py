@@ -97,6 +97,23 @@ def steady_unexplained_median(data: dict[str, Any]) -> float | None:
     return float(statistics.median(rest)) if rest else None
 
 
+def shown_path(path: Path | str) -> str:
+    """``path`` as reports show it: relative to the working directory when inside it (a
+    committed report must not carry the checkout's location), else as given."""
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _shown_profile(profile: Path) -> str:
+    shown = shown_path(profile)
+    if Path(shown).is_absolute():  # e.g. calibrate's candidate in a temporary folder
+        return f"{Path(profile).name} (a file outside the working directory)"
+    return shown
+
+
 def coalescing_model_check(data: dict[str, Any]) -> tuple[int, int]:
     """(transfers checked, transfers where hkvsim's coalescing model on the really posted lists
     differs from NIXL's telemetry) over one real run's ``request_details``."""
@@ -194,8 +211,8 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
                                   f"{other}; every run of a file must be verified, or every "
                                   f"run timing-only")
         out.append(FileResult(
-            file=str(f), scenario=s.scenario.name,
-            profile=str(profile) if profile is not None else s.fabric.profile,
+            file=shown_path(f), scenario=s.scenario.name,
+            profile=_shown_profile(profile) if profile is not None else s.fabric.profile,
             sim_seconds=sim_t, real_seconds=tuple(float(t) for t in real_t if t is not None),
             loads=tuple(load),
             descriptors_posted=(sim["requests"]["descriptors_posted"],

@@ -228,6 +228,21 @@ def test_nothing_shipped_points_outside_the_repository() -> None:
     assert not offenders, "\n".join(offenders[:10])
 
 
+LOCAL_PATH = re.compile(r"(?<![\w.~-])/(?:work|tmp|root|home|Users|var/folders)/")
+
+
+def test_committed_reports_carry_no_machine_paths() -> None:
+    """A committed report names files relative to the repository, never where one checkout
+    happened to live (``/work/...``) or a temporary file (``/tmp/...``)."""
+    files = [p for pattern in ("reports/**/*.md", "reports/**/*.json", "docs/*.md", "*.md")
+             for p in ROOT.glob(pattern)]
+    assert any(p.name == "host-path.json" for p in files)
+    offenders = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:120]}"
+                 for p in files for i, line in enumerate(p.read_text().splitlines(), start=1)
+                 if LOCAL_PATH.search(line)]
+    assert not offenders, "\n".join(offenders[:10])
+
+
 def test_generated_report_points_inside_the_repository(tmp_path: Path) -> None:
     """A report with the KV-vs-state and descriptor-merging sections (their text cites §§)."""
     pytest.importorskip("matplotlib")

@@ -117,3 +117,18 @@ def test_timing_only_results_say_so_and_go_to_their_own_files(tmp_path: Path) ->
                                        "held-out-cpu-timing-only.json"]
     assert [p.name for p in write_outputs([good], tmp_path, {})] == ["held-out-cpu.md",
                                                                      "held-out-cpu.json"]
+
+
+def test_reports_show_paths_inside_the_working_directory_relative(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    from hkvsim.validate import _shown_profile, shown_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scenarios").mkdir()
+    inside = tmp_path / "scenarios" / "x.toml"
+    assert shown_path(inside) == "scenarios/x.toml"
+    assert shown_path("scenarios/x.toml") == "scenarios/x.toml"
+    outside = tmp_path.parent / "elsewhere" / "candidate.toml"
+    assert shown_path(outside) == str(outside)
+    assert _shown_profile(outside) == "candidate.toml (a file outside the working directory)"
+    assert _shown_profile(inside) == "scenarios/x.toml"
