@@ -57,6 +57,18 @@ def test_pr49762_kimi_linear_push_per_release(vllm_required: str) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_kimi_linear_push_tp_matrix_per_release(vllm_required: str) -> None:
+    scenarios = load_scenarios(VLLM / "push-tp-matrix-tiny-kimi-linear.toml")
+    assert all(s.connector.mode == "push" and s.model.preset == "tiny-kimi-linear"
+               for s in scenarios)
+    pairs = {(s.prefill.tp, s.decode.tp, s.connector.registration_order) for s in scenarios}
+    assert len(scenarios) == len(pairs) == 32  # every pair of 1/2/4/8, both ways, both orders
+    # 0.26.0 push: prefill TP < decode TP fails at vLLM's single-target assert
+    _check_per_release(scenarios, vllm_required, fails_026=lambda p, d: p < d,
+                       assert_026=PUSH_ASSERT_026)
+
+
+@pytest.mark.timeout(600)
 def test_push_tp_matrix_tiny_deepseek_per_release(vllm_required: str) -> None:
     scenarios = load_scenarios(VLLM / "push-tp-matrix-tiny-deepseek.toml")
     assert len({(s.prefill.tp, s.decode.tp) for s in scenarios}) == 16
