@@ -28,19 +28,6 @@ TARGET = 20e6  # descriptors per second
 SIZES = {"1k": 8_193, "112k": 1_025_281}  # prompt tokens (N - 1 tokens are transferred)
 MODES = ("off", "contiguous", "strided")
 
-SCENARIO = """
-[scenario]
-name = "public planning"
-[model]
-preset = "kimi-linear-48b"
-[prefill]
-tp = 1
-[decode]
-tp = 1
-[workload]
-requests = 1
-prompt_tokens = 1000
-"""
 
 
 class PublicPlan:
@@ -50,13 +37,16 @@ class PublicPlan:
     def __init__(self, tokens: int, merge: str) -> None:
         import simpy
 
+        from hkvsim.backends.overhead import SCENARIO as OVERHEAD_SCENARIO
         from hkvsim.connector.worker import ConnectorSettings, ConnectorWorker, ReadRequest
         from hkvsim.fabric import Fabric, load_profile, place_engines
         from hkvsim.pd.deployment import engine_layout
         from hkvsim.scenario import parse_scenarios
         from hkvsim.transport.sim import SimWorld
 
-        (scenario,) = parse_scenarios(SCENARIO)
+        # the deployment of the NIXL overhead benchmark: Kimi-Linear-48B, P TP1 -> D TP1
+        (scenario,) = parse_scenarios(OVERHEAD_SCENARIO.format(preset="kimi-linear-48b",
+                                                               tokens=1000))
         self.env = simpy.Environment()
         profile = load_profile("cpu-ucx-loopback")
         fabric = Fabric(self.env, profile, place_engines(profile, [("prefill0", "prefill", 1),
