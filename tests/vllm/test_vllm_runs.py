@@ -89,10 +89,9 @@ def test_a_misrouted_block_is_caught_by_the_oracle(vllm_required: str, tmp_path:
     assert result.corrupted == 2 and result.verified
 
 
-def test_an_assert_inside_vllm_is_a_failure_naming_its_line(vllm_required: str,
-                                                            tmp_path: Path) -> None:
-    # decode asks vLLM to pull more blocks than prefill lists: vLLM's own check refuses it
-    import numpy as np
+def _handshaken_tiny_deepseek_pair():
+    """(simpy env, VllmHarness) with one tiny-deepseek prefill and one decode rank of vLLM's
+    worker on the simulated fabric, prefill's handshake payload delivered to the harness."""
     import simpy
 
     from hkvsim.fabric import Fabric, load_profile, place_engines
@@ -114,6 +113,13 @@ def test_an_assert_inside_vllm_is_a_failure_naming_its_line(vllm_required: str,
                          "prefill" if eid == "p" else "decode")
     # what the coordinator does at Connect: prefill's published payloads answer the handshake
     harness.deliver_handshake("p", {0: harness.engines["p"][0].handshake_payload()})
+    return env, harness
+
+
+def test_an_assert_inside_vllm_is_a_failure_naming_its_line(vllm_required: str,
+                                                            tmp_path: Path) -> None:
+    # decode asks vLLM to pull more blocks than prefill lists: vLLM's own check refuses it
+    env, harness = _handshaken_tiny_deepseek_pair()
     failure = harness.start_load(harness.engines["d"][0], "r", "r", "p", ([1, 2, 3],), ([4, 5],))
     env.run()
     if failure is None:  # vLLM may report it from get_finished instead
@@ -127,7 +133,6 @@ def test_an_assert_inside_vllm_is_a_failure_naming_its_line(vllm_required: str,
     # 0.26.0: base_worker.py:2263 "assert num_local_blocks <= len(remote_group)"
     assert re.fullmatch(r"assert num_\w+_blocks <= len\(\w+_group\)", failure.what), failure
     assert not failure.what.startswith("assert assert")
-    del np
 
 
 def test_without_vllm_a_run_says_how_to_provision_it(tmp_path: Path, capsys,
@@ -249,27 +254,7 @@ def test_vllm_reads_the_simulated_clock(vllm_required: str) -> None:
     # leases, heartbeats and engine TTLs inside vLLM must follow simulated time, not wall time
     import importlib
 
-    import simpy
-
-    from hkvsim.fabric import Fabric, load_profile, place_engines
-    from hkvsim.geometry.layout import build_layout
-    from hkvsim.geometry.presets import preset
-    from hkvsim.implementations.vllm.engine import VllmHarness
-    from hkvsim.transport.sim import SimWorld
-
-    env = simpy.Environment()
-    profile = load_profile("h200-nvlink")
-    fabric = Fabric(env, profile, place_engines(profile, [("p", "prefill", 1), ("d", "decode", 1)]))
-    world = SimWorld(env, fabric)
-    harness = VllmHarness(lambda: env.now)
-    layout = build_layout(preset("tiny-deepseek"), tp=1, block_size=64, num_blocks=8,
-                          kv_cache_layout="HND", registration_order="sorted")
-    for eid in ("p", "d"):
-        t = world.create_agent(f"{eid}.0", (eid, 0))
-        harness.add_rank(eid, layout, 0, t, t.allocate(layout.total_bytes, mem_type="DRAM"),
-                         "prefill" if eid == "p" else "decode")
-    # what the coordinator does at Connect: prefill's published payloads answer the handshake
-    harness.deliver_handshake("p", {0: harness.engines["p"][0].handshake_payload()})
+    env, harness = _handshaken_tiny_deepseek_pair()
     env.run(until=1234.5)
     nixl = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
     for name in ("base_worker", "pull_worker"):
