@@ -476,13 +476,13 @@ def cmd_diff(args: argparse.Namespace) -> int:
     scenarios = _load(args.file)
     diffs, variants = [], []
     for s in scenarios:
-        found, core, vllm = diff_scenario(s)
+        found, core, vllm = diff_scenario(s, backend=args.backend)
         diffs += found
         variants.append({"variant": s.scenario.name, "differences": len(found),
                          "hkvsim_outcome": core.outcome, "vllm_outcome": vllm.outcome,
                          "vllm_version": vllm.implementation.get("version")})
     if args.json:
-        _emit_json({"source": args.file, "variants": variants,
+        _emit_json({"source": args.file, "backend": args.backend, "variants": variants,
                     "differences": [d.as_dict() for d in diffs]})
     else:
         for v in variants:
@@ -490,7 +490,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
                   f"{v['vllm_outcome']}, {v['differences']} difference(s)")
         for d in diffs:
             print(f"  {d}")
-        print(f"{len(diffs)} difference(s) in {len(variants)} variant(s)")
+        where = "" if args.backend == "sim" else f" (backend {args.backend})"
+        print(f"{len(diffs)} difference(s) in {len(variants)} variant(s){where}")
     return EXIT_OK if not diffs else EXIT_EXPECTATION
 
 
@@ -667,6 +668,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="run a scenario with hkvsim's connector core and with "
                                     "vLLM's (needs scripts/with-vllm); list where they differ")
     p.add_argument("file", help="scenario file (.toml)")
+    p.add_argument("--backend", default="sim", choices=["sim", "nixl"],
+                   help="where both implementations run (default: sim, the simulated fabric; "
+                        "nixl: real NIXL agents, one process per rank, DRAM)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_diff)
     p = sub.add_parser("quirks", help="list the named replays of known connector bugs")

@@ -188,9 +188,9 @@ class Oracle:
         if self.model.attention.is_mla:
             return words.reshape(n_kernel, kt, self.row_words)
         heads = self.model.attention.heads_per_rank(layout.tp)
-        if layout.kv_cache_layout == "HND":
-            return words.reshape(n_kernel, heads, 2, kt, self.row_words)
-        return words.reshape(n_kernel, kt, heads, 2, self.row_words)
+        if layout.kv_cache_layout == "HND":  # per kernel block: (heads, tokens, K|V, row)
+            return words.reshape(n_kernel, heads, kt, 2, self.row_words)
+        return words.reshape(n_kernel, kt, heads, 2, self.row_words)  # (tokens, heads, K|V, row)
 
     def _attention_expected(self, layout: EngineLayout, rank: int, request: int, layer: int,
                             tokens: np.ndarray) -> np.ndarray:
@@ -213,7 +213,7 @@ class Oracle:
                           row: np.ndarray) -> tuple:
         if self.model.attention.is_mla or layout.kv_cache_layout == "NHD":
             return (kernel, row)
-        return (kernel, slice(None), slice(None), row)
+        return (kernel, slice(None), row)  # HND: numpy puts the indexed axes first
 
     # ---- state ---------------------------------------------------------------------------
     def _state_parts(self, layout: EngineLayout) -> list[tuple[int, int, int, int]]:
@@ -276,8 +276,8 @@ class Oracle:
                                          np.arange(kt, dtype=np.int64))
         if self.model.attention.is_mla:
             return first.reshape(-1), self.row_words
-        if layout.kv_cache_layout == "HND":  # (tokens, heads, 2, row) -> (heads, 2, tokens, row)
-            first = first.transpose(1, 2, 0, 3)
+        if layout.kv_cache_layout == "HND":  # (tokens, heads, 2, row) -> (heads, tokens, 2, row)
+            first = first.transpose(1, 0, 2, 3)
         return np.ascontiguousarray(first).reshape(-1), (
             self.model.attention.num_kv_heads * self.row_words)  # type: ignore[union-attr]
 

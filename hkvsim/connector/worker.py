@@ -658,14 +658,15 @@ class ConnectorWorker:
 
     # ---- post-processing -----------------------------------------------------------------
     def regroup_heads(self, kernel_blocks: np.ndarray, bsr: int) -> None:
-        """After a bsr > 1 pull into HND blocks: bsr P blocks of [H, 2, t_P, d] become one
-        [H, 2, bsr*t_P, d] (docs/semantics.md §6). MLA and NHD blocks are already token-contiguous."""
+        """After a bsr > 1 pull into HND blocks: bsr P blocks of [H, t_P, 2d] (K and V packed per
+        token) become one [H, bsr*t_P, 2d] (docs/semantics.md §6). MLA and NHD blocks are already
+        token-contiguous."""
         if bsr == 1 or self.model.attention.is_mla or self.layout.kv_cache_layout != "HND":
             return
         assert self.memory is not None
         attn = self.model.attention
         heads = attn.heads_per_rank(self.layout.tp)
-        row = attn.bytes_per_token(self.layout.tp) // (2 * heads)  # bytes of one head's row
+        row = attn.bytes_per_token(self.layout.tp) // heads  # one head's K|V bytes of a token
         t_p = self.layout.kernel_block_size // bsr
         meta = self.metadata
         blocks = np.asarray(kernel_blocks, dtype=np.int64)
@@ -673,8 +674,8 @@ class ConnectorWorker:
             off = base - self.memory.base_addr
             starts = off + blocks * stride
             idx = starts[:, None] + np.arange(length, dtype=np.int64)[None, :]
-            data = self.memory.array[idx].reshape(blocks.size, bsr, heads, 2, t_p, row)
-            self.memory.array[idx] = data.transpose(0, 2, 3, 1, 4, 5).reshape(blocks.size, length)
+            data = self.memory.array[idx].reshape(blocks.size, bsr, heads, t_p, row)
+            self.memory.array[idx] = data.transpose(0, 2, 1, 3, 4).reshape(blocks.size, length)
 
     def zero_sub_blocks(self, sub_block_ids: np.ndarray, bsr: int) -> None:
         """Zero decode sub-blocks that received nothing (the untransferred tail, #49612)."""

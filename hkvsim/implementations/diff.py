@@ -77,9 +77,20 @@ def compare_results(variant: str, core: RunResult, vllm: RunResult) -> list[Diff
     return out
 
 
-def diff_scenario(scenario: Scenario) -> tuple[list[Difference], RunResult, RunResult]:
-    from ..cluster import run_scenario
+def diff_scenario(scenario: Scenario, backend: str = "sim"
+                  ) -> tuple[list[Difference], RunResult, RunResult]:
+    """Both implementations on ``backend``: the simulated fabric, or real NIXL agents (one
+    process per rank; the transfers' fabric paths are then unknown to both, so "sources"
+    compares equal, and everything else is compared as on the fabric)."""
+    pair = [with_implementation(scenario, "hkvsim"), with_implementation(scenario, "vllm")]
+    if backend == "nixl":
+        from ..drivers.nixl import run_for_cli
 
-    core = run_scenario(with_implementation(scenario, "hkvsim"))
-    vllm = run_scenario(with_implementation(scenario, "vllm"))
+        core, vllm = run_for_cli(pair)
+    elif backend == "sim":
+        from ..cluster import run_scenario
+
+        core, vllm = (run_scenario(s) for s in pair)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; allowed: sim, nixl")
     return compare_results(scenario.scenario.name, core, vllm), core, vllm

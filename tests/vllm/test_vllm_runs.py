@@ -47,7 +47,7 @@ prompt_tokens = 200
 @pytest.mark.timeout(600)
 def test_tp_matrix_is_byte_exact_under_vllm(vllm_required: str) -> None:
     scenarios = load_scenarios(MATRIX)
-    assert len(scenarios) == 24
+    assert len(scenarios) == 32
     for s in scenarios:
         result = run_scenario(s)
         assert result.implementation == {"name": "vllm", "version": vllm_required}
@@ -148,11 +148,11 @@ def test_without_vllm_a_run_says_how_to_provision_it(tmp_path: Path, capsys,
 
 def test_unsupported_cases_are_one_line_errors(vllm_required: str, tmp_path: Path,
                                                capsys) -> None:
-    text = PULL.format(p=1, d=1).replace('preset = "tiny-deepseek"', 'preset = "tiny-llama"')
-    text = text.replace("block_size = 64", "block_size = 16")
+    text = PULL.format(p=1, d=1).replace('implementation = "vllm"',
+                                         'implementation = "vllm"\nquirks = ["phantom-token"]')
     assert main(["run", str(_scenario(text, tmp_path))]) == 2
     err = capsys.readouterr().err
-    assert "connector.implementation: engine prefill0: GQA caches must use kv_cache_layout NHD" in err
+    assert "connector.implementation: quirks replay hkvsim's model of old connector bugs" in err
     assert err.count("\n") == 1
     text = PULL.format(p=1, d=1).replace("prompt_tokens = 200", "prompt_tokens = 200\nverify = false")
     assert main(["run", str(_scenario(text, tmp_path, "k.toml"))]) == 2

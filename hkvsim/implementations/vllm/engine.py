@@ -17,8 +17,8 @@ file:line (:class:`VllmFailure`), never an hkvsim crash.
 Push: every rank runs vLLM's push worker without its writer thread; the harness calls its
 ``_do_start_push_kv`` once hkvsim's coordinator has matched a registration (:meth:`start_push`).
 
-Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0 and 0.33.0, pull and push; MLA, GQA with NHD caches, and the
-hybrids with KDA or GDN state (handed to vLLM as a GDN ``MambaSpec`` over the shared tensors).
+Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0 and 0.33.0, pull and push; MLA, GQA (HND and NHD
+caches), and the hybrids with KDA or GDN state (handed to vLLM as a GDN ``MambaSpec`` over the shared tensors).
 """
 
 from __future__ import annotations
@@ -349,16 +349,29 @@ class VllmRank:
             if mla:  # (blocks, tokens, latent + rope)
                 shape = (layout.num_kernel_blocks, layout.kernel_block_size,
                          attn.bytes_per_token(1) // t.element_size())
-            else:  # hkvsim NHD = vLLM LBNHC with K|V packed in the content dim
-                shape = (layout.num_kernel_blocks, layout.kernel_block_size,
-                         attn.heads_per_rank(layout.tp), 2 * attn.head_dim)
+            else:  # hkvsim HND = vLLM HND / LBHNC, NHD = NHD / LBNHC: K|V packed per token
+                heads, tokens = attn.heads_per_rank(layout.tp), layout.kernel_block_size
+                heads_first = layout.kv_cache_layout == "HND"
+                shape = ((layout.num_kernel_blocks, heads, tokens, 2 * attn.head_dim) if heads_first
+                         else (layout.num_kernel_blocks, tokens, heads, 2 * attn.head_dim))
             for layer in region.layers:
                 if layer not in state_layers:
-                    caches[self.layer_name(layer)] = t.view(*shape)
+                    view = t.view(*shape)
+                    caches[self.layer_name(layer)] = (view if mla else self._logical_kv(view))
         # handed over in the layout's registration order (releases that walk the dict register
         # in this order; later ones sort the names themselves)
         order = [self.layer_name(layer) for layer in layout.registration_order]
         return {name: caches[name] for name in order if name in caches}
+
+    def _logical_kv(self, physical: Any) -> Any:
+        """The GQA cache tensor as vLLM's model runner hands it over: the bytes in the layout's
+        physical order, the dims in the order the release expects (0.26 and 0.27: (blocks,
+        tokens, heads, K|V) whatever the layout; 0.33: (blocks, heads, tokens, K|V)). vLLM's
+        receive-side post-processing (block-size ratio) permutes through these dims."""
+        heads_first = self.layout.kv_cache_layout == "HND"
+        if self.harness.version.startswith(("0.26.", "0.27.")):
+            return physical.permute(0, 2, 1, 3) if heads_first else physical
+        return physical if heads_first else physical.permute(0, 2, 1, 3)
 
     def state_view(self, raw: Any) -> Any:
         """A state layer's conv view over a shared tensor, as vLLM's model runner makes it: DS
@@ -453,7 +466,8 @@ class VllmHarness:
         model = ModelConfig(model=_hf_config_dir(layout.model), dtype=attn.dtype, seed=0,
                             skip_tokenizer_init=True, max_model_len=1 << 14)
         cache = CacheConfig(block_size=layout.logical_block_size, enable_prefix_caching=False)
-        cache.kv_cache_layout = "LBNHC"  # per layer: (blocks, tokens, heads, content)
+        # per layer: (blocks, heads, tokens, K|V) for HND, (blocks, tokens, heads, K|V) for NHD
+        cache.kv_cache_layout = vllm_layout_name(layout, self.version)
         kv = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both",
                               kv_buffer_device="cuda",
                               kv_connector_extra_config={"enforce_handshake_compat": True})
@@ -541,6 +555,7 @@ class VllmHarness:
             cls = importlib.import_module(f"{_NIXL}.pull_worker").NixlPullConnectorWorker
         self._building = rank
         try:
+            _override_layout(vllm_layout_name(rank.layout, self.version))
             config = self.vllm_config(rank)
             with set_current_vllm_config(config):
                 worker = cls(config, rank.engine_id, self.kv_cache_config(rank))
@@ -549,6 +564,9 @@ class VllmHarness:
             if self.mode == "push":  # no writer thread: the harness posts the WRITEs itself
                 worker._push_writer_thread = _NoThread()
             worker.register_kv_caches(rank.kv_caches())
+            # the caches are host memory: 0.26 builds its post-processing indices on the
+            # platform's device type (cuda here), which CPU-only torch cannot
+            worker.device_type = "cpu"
         except Exception as exc:
             raise vllm_failure(exc) from exc
         finally:
@@ -715,16 +733,31 @@ def _install_patches() -> None:
     # block, where hkvsim keeps the requested one; docs/vllm.md)
     if hasattr(bw, "select_common_block_size"):
         bw.select_common_block_size = lambda *_a, **_k: _building().layout.kernel_block_size
-    # 0.26: the worker reads the layout from get_kv_cache_layout(), not from the cache config;
-    # the caches built here are NHD-interleaved (LBNHC), so say so
+    _PATCHED.append(True)
+
+
+def vllm_layout_name(layout: EngineLayout, version: str) -> str:
+    """The name vLLM ``version`` gives the caches built for ``layout``: hkvsim's HND block
+    (heads, tokens, K|V) is vLLM's HND (0.26, 0.27) / LBHNC (0.33); hkvsim's NHD block
+    (tokens, heads, K|V) is NHD / LBNHC. MLA caches are named NHD / LBNHC (vLLM ignores it)."""
+    heads_first = (not layout.model.attention.is_mla and layout.kv_cache_layout == "HND")
+    if version.startswith(("0.26.", "0.27.")):
+        return "HND" if heads_first else "NHD"
+    return "LBHNC" if heads_first else "LBNHC"
+
+
+def _override_layout(name: str) -> None:
+    """0.26 and 0.27: the worker reads the layout from ``get_kv_cache_layout()`` (a process-wide
+    override), not from the cache config: set it for the rank being built."""
+    import importlib
+
     with contextlib.suppress(ImportError):
         utils = importlib.import_module("vllm.v1.attention.backends.utils")
-        if hasattr(utils, "_KV_CACHE_LAYOUT_OVERRIDE"):
-            utils._KV_CACHE_LAYOUT_OVERRIDE = "NHD"
+        if hasattr(utils, "_KV_CACHE_LAYOUT_OVERRIDE") and name in ("HND", "NHD"):
+            utils._KV_CACHE_LAYOUT_OVERRIDE = name
             clear = getattr(utils.get_kv_cache_layout, "cache_clear", None)
             if clear is not None:  # it is memoized: a value read before now must not stick
                 clear()
-    _PATCHED.append(True)
 
 
 class _Platform:

@@ -39,13 +39,6 @@ def vllm_worker_factory(dep: Deployment, *, now: Callable[[], float], moves_byte
                 why = (f"engine {spec.engine_id}: the logical block must equal the kernel block "
                        f"({spec.layout.kernel_block_size} tokens) with vLLM's connector today")
                 break
-    if why is None and not dep.model.attention.is_mla:
-        for spec in dep.all_engines():
-            if spec.layout.kv_cache_layout != "NHD":
-                why = (f"engine {spec.engine_id}: GQA caches must use kv_cache_layout NHD with "
-                       f"vLLM's connector today (hkvsim's NHD is vLLM's LBNHC with K|V packed; "
-                       f"its HND interleaves K and V per head, which no vLLM layout does)")
-                break
     if why is None and dep.quirks:
         why = "quirks replay hkvsim's model of old connector bugs; they do not apply to vLLM"
     if why is not None:
