@@ -490,6 +490,12 @@ class SimTransport:
             moved = copy_ranges(rmem.array, roff, lmem.array, loff, lengths)
         self.world.bytes_moved += moved
 
+    def wake_soon(self) -> None:
+        """Have this agent's rank polled again at the current simulated time, after the call
+        in progress returns (for a connector that learns of a failure only in its next poll,
+        as vLLM's does after a post that raised: its engine would step again anyway)."""
+        self.world.env.timeout(0).callbacks.append(lambda _event: self.world._wake(self.name))
+
     def take_finished(self) -> list[int]:
         """Handles whose transfer reached DONE or ERR since the last call (event-driven
         completion: a poller checks only these instead of every handle in flight)."""

@@ -160,6 +160,7 @@ class TransportNixlAgent:
         self.calls: dict[str, int] = {}  # call counts, for reports and tests
         self._created: list[int] = []  # transfer handles, in creation order
         self._telemetry: dict[int, XferTelemetry] = {}  # kept when a handle is released
+        self._post_errors: dict[int, tuple[str, str]] = {}  # handle -> (class, message)
         self._held: dict[str, list[bytes]] = {}  # notifications peeked, not yet read by vLLM
         # when set, get_new_notifs returns only what peek_notifs took: with a real transport a
         # notification can arrive between the peek and vLLM's read, and must not reach vLLM
@@ -319,9 +320,23 @@ class TransportNixlAgent:
             return None
 
     def transfer(self, handle: int, notif_msg: Any = None) -> str:
-        """Post; "DONE" or "PROC". A failure to post raises (as NIXL's ``transfer`` does)."""
+        """Post; "DONE" or "PROC". A failure to post raises (as NIXL's ``transfer`` does), is
+        remembered per handle (:meth:`post_failure`), and gets the rank polled again: vLLM
+        reports such a request in a later ``get_finished``, which an engine's next step calls
+        (on the simulated fabric no transfer event would come to trigger it)."""
         self._count("transfer")
-        return self._call(self.transport.transfer, handle)
+        try:
+            return self._call(self.transport.transfer, handle)
+        except NixlAgentError as exc:
+            self._post_errors[handle] = (exc.kind or "transfer_setup_failed", str(exc))
+            wake = getattr(self.transport, "wake_soon", None)
+            if wake is not None:
+                wake()
+            raise
+
+    def post_failure(self, handle: int) -> tuple[str, str] | None:
+        """(failure class, message) of a transfer whose post raised, else None."""
+        return self._post_errors.get(handle)
 
     def check_xfer_state(self, handle: int) -> str:
         self._count("check_xfer_state")

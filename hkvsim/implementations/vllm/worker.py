@@ -196,7 +196,12 @@ class VllmConnectorWorker:
         for rid in sorted(set(recving or ()) & set(self._in_flight)):
             flight = self._in_flight[rid]
             lost = sorted(flight.local_blocks & bad)
-            if lost:
+            posts = [f for f in map(self.vllm.agent.post_failure, flight.handles) if f]
+            if posts:  # a READ vLLM could not post: the failure NIXL raised is the cause
+                kind, what = posts[0]
+                out.append(self._end(rid, failure=VllmFailure(
+                    where="transfer", what=f"vLLM could not post a READ: {what}", kind=kind)))
+            elif lost:
                 out.append(self._end(rid, failure=VllmFailure(
                     where="get_block_ids_with_load_errors",
                     what=f"vLLM reported load errors for blocks {lost[:8]}",
@@ -209,9 +214,10 @@ class VllmConnectorWorker:
         flight = self._in_flight.pop(rid)
         out = flight.outcome
         assert self.vllm is not None
-        tel = [t for t in (self.vllm.agent.telemetry_of(h) for h in flight.handles)
-               if t is not None]
-        out.transfers = len(flight.handles)
+        agent = self.vllm.agent
+        posted = [h for h in flight.handles if agent.post_failure(h) is None]
+        tel = [t for t in map(agent.telemetry_of, posted) if t is not None]
+        out.transfers = len(posted)  # as hkvsim's worker: a post that raised moved nothing
         out.descriptors = sum(t.descriptors for t in tel)
         out.nbytes = sum(t.nbytes for t in tel)
         if failure is None:  # as hkvsim's worker: telemetry of a request that completed
