@@ -4,12 +4,14 @@ where they differ.
 Both runs use the same deployment, coordinator, simulated fabric, workload and oracle; only the
 connector code differs. Compared, per variant: the handshake verdict (the errors each reported);
 per request: its status and failure class, the transfers it took (one READ per source rank in
-pull) and the ranks they ran between (the fabric path of each), its descriptor count, the bytes
-moved, and the oracle's verdict on its bytes.
+pull) and the ranks they ran between (the fabric path of each), its descriptor count and bytes
+in all and per rank pair, and the oracle's verdict on its bytes, in all and per rank and cache
+region (from the mismatches it reported).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,9 @@ from ..scenario import Scenario
 __all__ = ["Difference", "compare_results", "with_implementation", "diff_scenario"]
 
 FIELDS = ("status", "failure_class", "transfers", "sources", "descriptors", "nbytes",
-          "byte_exact")
+          "per_rank", "byte_exact", "wrong_regions")
+# the start of the oracle's mismatch line: "<engine> rank <r>, layer <l> (<kind>)"
+_REGION = re.compile(r"^(\S+ rank \d+), layer (\d+) \(([^)]*)\)")
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,29 @@ def _sources(telemetry: list[dict[str, Any]]) -> list[str]:
     return sorted(out)
 
 
+def _per_rank(telemetry: list[dict[str, Any]]) -> list[str]:
+    """Each transfer's rank pair (first and last port of its path) with its descriptors and
+    bytes: where a request's total agrees but its split over the ranks does not."""
+    out = []
+    for t in telemetry:
+        path = t.get("path") or ()
+        pair = f"{path[0]} -> {path[-1]}" if path else "?"
+        out.append(f"{pair}: {t.get('descriptors')} descriptors, {t.get('nbytes')} B")
+    return sorted(out)
+
+
+def _wrong_regions(mismatches: list[str]) -> list[str]:
+    """The rank and cache region (layer and kind: K/V, MLA, conv, recurrent, untransferred
+    tail) of every mismatch the oracle reported for a request (its first 8)."""
+    found = (_REGION.match(m) for m in mismatches)
+    return sorted({f"{m.group(1)}, layer {m.group(2)} ({m.group(3)})" for m in found if m})
+
+
 def _request_view(result: RunResult) -> list[dict[str, Any]]:
     return [{"status": r.status, "failure_class": r.failure_class, "transfers": r.transfers,
              "sources": _sources(r.telemetry),
              "descriptors": r.descriptors, "nbytes": r.nbytes,
+             "per_rank": _per_rank(r.telemetry), "wrong_regions": _wrong_regions(r.mismatches),
              "byte_exact": (r.status == "ok" and r.mismatched_words == 0) if result.verified
              else None} for r in result.records]
 

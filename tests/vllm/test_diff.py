@@ -44,15 +44,32 @@ def test_compare_names_each_field_that_differs(tmp_path: Path) -> None:
     a = run_scenario(with_implementation(short, "hkvsim"))
     b = run_scenario(with_implementation(long, "hkvsim"))
     found = compare_results("v", a, b)
-    assert {d.field for d in found} == {"descriptors", "nbytes"}
+    assert {d.field for d in found} == {"descriptors", "nbytes", "per_rank"}
     assert sorted({d.request for d in found}) == [0, 1]
-    assert all(d.hkvsim < d.vllm for d in found)
+    assert all(d.hkvsim < d.vllm for d in found if d.field != "per_rank")
     assert compare_results("v", a, a) == []
     # the same bytes read from another source rank is a difference too
     c = run_scenario(with_implementation(short, "hkvsim"))
     c.records[1].telemetry[0]["path"] = ["n9g9.nvl.tx"] + list(c.records[1].telemetry[0]["path"][1:])
     found = compare_results("v", a, c)
-    assert [(d.request, d.field) for d in found] == [(1, "sources")]
+    assert [(d.request, d.field) for d in found] == [(1, "sources"), (1, "per_rank")]
+    # the same descriptors and bytes in all, split differently over two source ranks
+    g, d = (run_scenario(with_implementation(short, "hkvsim")) for _ in range(2))
+    (t,) = g.records[0].telemetry
+    other = dict(t, path=["n0g1.nvl.tx"] + list(t["path"][1:]))
+    g.records[0].telemetry = [dict(t, descriptors=3), dict(other, descriptors=5)]
+    d.records[0].telemetry = [dict(t, descriptors=5), dict(other, descriptors=3)]
+    found = compare_results("v", g, d)
+    assert [(x.request, x.field) for x in found] == [(0, "per_rank")]
+    # the oracle's verdict per rank and region: the same number of wrong bytes, another region
+    e, f = (run_scenario(with_implementation(short, "hkvsim")) for _ in range(2))
+    for rec, layer in ((e.records[1], 0), (f.records[1], 1)):
+        rec.mismatched_words = 4
+        rec.mismatches = [f"decode0 rank 0, layer {layer} (MLA), tokens 0..9: 4 words wrong; "
+                          f"got the bytes of zeros"]
+    found = compare_results("v", e, f)
+    assert [(x.request, x.field, x.hkvsim, x.vllm) for x in found] == [
+        (1, "wrong_regions", ["decode0 rank 0, layer 0 (MLA)"], ["decode0 rank 0, layer 1 (MLA)"])]
 
 
 def test_diff_agrees_on_mla_pull_and_reports_a_planted_divergence(
