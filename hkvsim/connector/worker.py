@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -133,6 +134,8 @@ class ConnectorWorker:
         self.transport = transport
         self.settings = settings
         self.device_id = device_id
+        # a transport that reads the structure of descriptor ids gets them as OuterIds
+        self._outer_ids = bool(getattr(transport, "accepts_outer_ids", False))
         self.memory: Memory | None = None
         self._meta: RankMetadata | None = None
         self._local_lists: dict[int, tuple[DescriptorList, int]] = {}  # sub_blocks -> (list, handle)
@@ -380,13 +383,19 @@ class ConnectorWorker:
             else:
                 local_list, local_handle = self._local_list(bsr)
             rl = remote.remote_list
-            empty = np.zeros(0, np.int64)
-            local_ids = np.concatenate([
-                local_list.attention_ids(la) if reads_attention else empty,
-                local_list.state_ids(ls) if reads_state else empty])
-            remote_ids = np.concatenate([
-                rl.attention_ids(ra) if reads_attention else empty,
-                rl.state_ids(rs) if reads_state else empty])
+            if self._outer_ids:  # the same ids, with their structure (transport/outer.py)
+                local_ids: Any = local_list.outer_ids(la if reads_attention else None,
+                                                      ls if reads_state else None)
+                remote_ids: Any = rl.outer_ids(ra if reads_attention else None,
+                                               rs if reads_state else None)
+            else:
+                empty = np.zeros(0, np.int64)
+                local_ids = np.concatenate([
+                    local_list.attention_ids(la) if reads_attention else empty,
+                    local_list.state_ids(ls) if reads_state else empty])
+                remote_ids = np.concatenate([
+                    rl.attention_ids(ra) if reads_attention else empty,
+                    rl.state_ids(rs) if reads_state else empty])
             notif = f"{req.prefill_request_id}:{count}".encode()
             nbytes = ((la.size * local_list.attention_bytes if reads_attention else 0)
                       + (ls.size * local_list.state_bytes if reads_state else 0))
@@ -463,8 +472,13 @@ class ConnectorWorker:
             else:
                 local_list, local_handle = self._local_list(1)
             rl = remote.remote_list
-            local_ids = np.concatenate([local_list.attention_ids(la), local_list.state_ids(ls)])
-            remote_ids = np.concatenate([rl.attention_ids(ra), rl.state_ids(rs)])
+            if self._outer_ids:  # the same ids, with their structure (transport/outer.py)
+                local_ids: Any = local_list.outer_ids(la, ls)
+                remote_ids: Any = rl.outer_ids(ra, rs)
+            else:
+                local_ids = np.concatenate([local_list.attention_ids(la),
+                                            local_list.state_ids(ls)])
+                remote_ids = np.concatenate([rl.attention_ids(ra), rl.state_ids(rs)])
             nbytes = la.size * local_list.attention_bytes + ls.size * local_list.state_bytes
             self._post("WRITE", local_list, local_handle, local_ids, remote, remote_ids, notif,
                        handles, outcome, nbytes)

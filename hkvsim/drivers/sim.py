@@ -205,8 +205,14 @@ class SimDriver:
         blocks = None if memo is None else memo.get("blocks")
         if blocks is None:  # which blocks the runs touch is fixed; only their owners change
             _, blocks = blocks_touched(engine.layout, addrs - self._base[rank], lengths)
+            # whether a run touches bytes outside every block is fixed too
+            outside = bool(blocks.size) and int(blocks.min()) == OUTSIDE_BLOCKS
             if memo is not None:
-                memo["blocks"] = blocks
+                memo["blocks"], memo["outside"] = blocks, outside
+        else:
+            outside = memo["outside"]
+        if not outside and not (engine.pool.owner[blocks] != owner).any():
+            return False  # the common case: every block touched belongs to the request
         owners = np.where(blocks == OUTSIDE_BLOCKS, OUTSIDE_BLOCKS - 1,
                           engine.pool.owner[np.maximum(blocks, 0)])
         bad = owners != owner
