@@ -68,3 +68,19 @@ def test_bytes_outside_every_block_are_flagged_on_every_call() -> None:
         assert driver.coord.counters["stray_writes"] == n
         assert "bytes outside every block" in driver.coord.misplaced_write_reports[-1]
     assert memo["outside"] is True
+
+
+def test_runs_of_the_same_shape_elsewhere_are_not_answered_from_the_last_ones() -> None:
+    """The guard reuses an engine's last answer only for equal runs (a request's transfers to
+    the ranks of one engine): runs of the same shape at other offsets are looked up anew."""
+    driver, agent, base, engine = _driver()
+    page = engine.layout.unified_page_bytes
+    engine.pool.owner[[2, 3]] = 7
+    lengths = np.array([page, page], dtype=np.int64)
+    held = np.array([base + 2 * page, base + 3 * page], dtype=np.int64)
+    free = np.array([base + 4 * page, base + 5 * page], dtype=np.int64)
+    assert driver._on_landing(agent, held, lengths, 7, False, memo={}) is False
+    assert driver._on_landing(agent, held.copy(), lengths.copy(), 7, False, memo={}) is False
+    assert driver._on_landing(agent, free, lengths, 7, False, memo={}) is True
+    assert driver._on_landing(agent, held, lengths * 2, 7, False, memo={}) is True  # into 4, 5
+    assert driver._on_landing(agent, held, lengths, 7, False, memo={}) is False

@@ -29,6 +29,8 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def _int64(values: Any, what: str) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+        return values  # the connector's ids: nothing to convert
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"outer ids: {what} must be 1-D, got shape {arr.shape}")
@@ -173,12 +175,38 @@ def _rows(dl: AffineList, starts: np.ndarray, cache: dict[Any, Any]) -> _Rows:
     return got[1]
 
 
+_SMALL = 16  # columns up to this many are handled as Python ints (fewer numpy calls)
+
+
 def _col_stats(cols: np.ndarray) -> tuple[int, int, int, int]:
     """(min, max, first, last) of a non-empty column array, as Python ints."""
-    if cols.size <= 16:
+    if cols.size <= _SMALL:
         v = cols.tolist()
         return min(v), max(v), v[0], v[-1]
     return int(cols.min()), int(cols.max()), int(cols[0]), int(cols[-1])
+
+
+def _joins_small(lc: np.ndarray, rc: np.ndarray, classes: list[tuple[int, ...]]) -> int:
+    """:func:`_joins` for a few columns, in Python ints."""
+    lv, rv = lc.tolist(), rc.tolist()
+    steps = [(b - a, d - c) for a, b, c, d in zip(lv, lv[1:], rv, rv[1:])]
+    return sum(m * sum(1 for dl, dr in steps if dl * ls == ln and dr * rs == rn)
+               for m, ls, ln, rs, rn in classes)
+
+
+def _joins(lc: np.ndarray, rc: np.ndarray, classes: list[tuple[int, ...]]) -> int:
+    """Joins inside rows: consecutive columns that continue the previous descriptor on both
+    sides (addresses step by the column step times the row's stride), summed over the row
+    classes (rows, local stride, local length, remote stride, remote length)."""
+    if lc.size <= _SMALL:
+        return _joins_small(lc, rc, classes)
+    dl, dr = lc[1:] - lc[:-1], rc[1:] - rc[:-1]
+    within = 0
+    for m, ls, ln, rs, rn in classes:
+        jl = dl == 1 if ls == ln > 0 else dl * ls == ln
+        jr = dr == 1 if rs == rn > 0 else dr * rs == rn
+        within += m * int(np.count_nonzero(jl & jr))
+    return within
 
 
 def outer_pairs(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterIds,
@@ -216,11 +244,7 @@ def outer_pairs(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterId
         if not (a.col_lo <= lmin and lmax <= a.col_hi and b.col_lo <= rmin and rmax <= b.col_hi):
             return None
         if k > 1:
-            dl, dr = lc[1:] - lc[:-1], rc[1:] - rc[:-1]
-            for m, ls, ln, rs, rn in classes:  # joins inside a row: both sides continue
-                jl = dl == 1 if ls == ln > 0 else dl * ls == ln
-                jr = dr == 1 if rs == rn > 0 else dr * rs == rn
-                within += m * int(np.count_nonzero(jl & jr))
+            within += _joins(lc, rc, classes)
         nbytes += cb * k
         ends.append((l0, ll, r0, rl))
     between = 0

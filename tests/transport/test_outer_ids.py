@@ -60,7 +60,13 @@ def _ids(dl: AffineList, cols_a: np.ndarray, cols_s: np.ndarray) -> OuterIds:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_structure_gives_what_flat_ids_give(seed: int) -> None:
+@pytest.mark.parametrize("small", [0, 1 << 20])
+def test_structure_gives_what_flat_ids_give(seed: int, small: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """... with columns handled as numpy arrays (small = 0) or as Python ints."""
+    from hkvsim.transport import outer
+
+    monkeypatch.setattr(outer, "_SMALL", small)
     rng = np.random.default_rng(seed)
     plain = seed % 4 != 3
     # the remote list spaces the regions the local one packs, or the same ones
