@@ -50,6 +50,9 @@ __all__ = ["FabricError", "TransferTiming", "LinkSegment", "Fabric"]
 _DONE_REL: Final[float] = 1e-9
 # Flows whose finish time is within this relative distance of the earliest one end together.
 _TIE_REL: Final[float] = 1e-12
+# rate allocations remembered per set of active paths and their flow counts (a run meets the
+# same few sets again and again); forgotten all at once past this many
+_MEMO_LIMIT: Final[int] = 2048
 
 
 class FabricError(ValueError):
@@ -165,12 +168,16 @@ class Fabric:
         self._groups: dict[tuple[_Link, ...], PathGroup] = {}
         self._active: dict[PathGroup, None] = {}  # groups with flows, in first-use order
         self._routes: dict[tuple[Hashable, Hashable], tuple[tuple[_Link, ...], float]] = {}
+        self._latencies: dict[tuple[Hashable, Hashable], float] = {}
         self._posting: dict[Endpoint, simpy.Resource] = {}
         self._fid = 0
         self._nflows = 0
         self._last_update = env.now
         self._timer_gen = 0
         self.link_log: list[LinkSegment] = []
+        # ((group, flows) of every active group) -> (their rates, (link, flows, rate) per link)
+        self._rate_memo: dict[tuple[tuple[PathGroup, int], ...],
+                              tuple[tuple[float, ...], list[tuple[_Link, int, float]]]] = {}
 
     # ----------------------------------------------------------------- routing
 
@@ -200,6 +207,7 @@ class Fabric:
         link = self._links.get(name)
         if link is None:
             link = self._links[name] = _Link(name, capacity)
+            self._rate_memo.clear()  # remembered link loads list every link
         return link
 
     def path(self, src: Hashable, dst: Hashable) -> tuple[str, ...]:
@@ -207,8 +215,12 @@ class Fabric:
         return tuple(link.name for link in self._route(src, dst)[0])
 
     def path_latency(self, src: Hashable, dst: Hashable) -> float:
-        """One-way latency of the ``src -> dst`` path, in seconds."""
-        return route(self.profile, self.endpoint(src), self.endpoint(dst)).latency
+        """One-way latency of the ``src -> dst`` path, in seconds (cached per pair)."""
+        latency = self._latencies.get((src, dst))
+        if latency is None:
+            latency = self._latencies[(src, dst)] = route(
+                self.profile, self.endpoint(src), self.endpoint(dst)).latency
+        return latency
 
     def link_capacity(self, name: str) -> float:
         """Capacity in bytes/s of a link that some flow has used."""
@@ -337,13 +349,27 @@ class Fabric:
         self._last_update = now
 
     def _reallocate(self) -> None:
-        """Max-min fair rates per path (progressive filling), then log rates and re-arm."""
-        max_min_rates(self._active)
-        self._log_rates()
+        """Max-min fair rates per path (progressive filling), then log rates and re-arm.
+
+        The rates are a function of the active groups (in order) and their flow counts only,
+        so an allocation met before is reused (the same floats: nothing is recomputed)."""
+        active = self._active
+        key = tuple([(g, g.n) for g in active])
+        got = self._rate_memo.get(key)
+        if got is None:
+            max_min_rates(active)
+            if len(self._rate_memo) >= _MEMO_LIMIT:
+                self._rate_memo.clear()
+            got = self._rate_memo[key] = (tuple([g.rate for g in active]), self._link_loads())
+        else:
+            for g, rate in zip(active, got[0]):
+                g.rate = rate
+        self._log_rates(got[1])
         self._arm_timer()
 
-    def _log_rates(self) -> None:
-        now = self.env.now
+    def _link_loads(self) -> list[tuple[_Link, int, float]]:
+        """(link, flows on it, aggregate rate) of every link, from the groups' rates."""
+        loads = []
         for link in self._links.values():
             nflows = 0
             rate = 0.0
@@ -351,6 +377,12 @@ class Fabric:
                 if g.n:
                     nflows += g.n
                     rate += g.rate * g.n
+            loads.append((link, nflows, rate))
+        return loads
+
+    def _log_rates(self, loads: list[tuple[_Link, int, float]]) -> None:
+        now = self.env.now
+        for link, nflows, rate in loads:
             if rate == link.seg_rate and nflows == link.seg_flows:
                 continue
             if link.seg_rate > 0 and now > link.seg_start:
