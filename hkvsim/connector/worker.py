@@ -93,7 +93,7 @@ class _RemoteRank:
 
 
 @dataclass(eq=False)
-class _PairedBlocks:
+class _PairedBlocks:  # read-only once made: one request's ranks may share it
     attention_prefill: np.ndarray  # prefill kernel-block ids
     attention_decode: np.ndarray  # decode kernel (or sub-) block ids, paired by position
     state_prefill: np.ndarray
@@ -119,6 +119,10 @@ def parse_notification(message: bytes) -> tuple[str, int] | None:
     if not rid or count < 1:
         return None
     return rid, count
+
+
+# (request, what else the pairing depends on, its _PairedBlocks): see ConnectorWorker._paired_for
+_LAST_PAIRING: "tuple[ReadRequest, tuple[Any, ...], _PairedBlocks] | None" = None
 
 
 class ConnectorWorker:
@@ -304,6 +308,24 @@ class ConnectorWorker:
             return self._finish(req.request_id)
         return None
 
+    def _paired_for(self, req: ReadRequest, *, ppl_p: int, bsr: int) -> "_PairedBlocks":
+        """The blocks of ``req`` paired (``_pair_blocks``). A request goes to every rank of an
+        engine, and the ranks share its layout: what the first rank paired is reused by the
+        others for the very same request object (the last pairing is remembered with the
+        request and everything else it depends on; the request's block arrays are not
+        modified after it is made)."""
+        global _LAST_PAIRING
+        ppl_d = self.layout.physical_blocks_per_logical
+        key = (id(self.layout), self.role, self.settings.quirks, ppl_p, ppl_d, bsr)
+        last = _LAST_PAIRING
+        if last is not None and last[0] is req and last[1] == key:
+            return last[2]
+        paired = self._pair_blocks(
+            prefill_blocks=req.prefill_blocks, decode_blocks=req.decode_blocks,
+            hit_blocks=req.decode_hit_blocks, ppl_p=ppl_p, ppl_d=ppl_d, bsr=bsr)
+        _LAST_PAIRING = (req, key, paired)
+        return paired
+
     def _pair_blocks(self, *, prefill_blocks: Mapping[int, np.ndarray],
                      decode_blocks: Mapping[int, np.ndarray], hit_blocks: int, ppl_p: int,
                      ppl_d: int, bsr: int) -> "_PairedBlocks":
@@ -360,10 +382,7 @@ class ConnectorWorker:
         first = next(iter(remotes.values()))
         bsr, plan = first.bsr, first.plan
         quirks = self.settings.quirks
-        paired = self._pair_blocks(
-            prefill_blocks=req.prefill_blocks, decode_blocks=req.decode_blocks,
-            hit_blocks=req.decode_hit_blocks, ppl_p=first.meta.physical_blocks_per_logical,
-            ppl_d=self.layout.physical_blocks_per_logical, bsr=bsr)
+        paired = self._paired_for(req, ppl_p=first.meta.physical_blocks_per_logical, bsr=bsr)
         la, ra = paired.attention_decode, paired.attention_prefill
         ls, rs = paired.state_decode, paired.state_prefill
         count = max(1, self.layout.tp // first.meta.tp_size)
