@@ -175,9 +175,9 @@ class Fabric:
         self._last_update = env.now
         self._timer_gen = 0
         self.link_log: list[LinkSegment] = []
-        # ((group, flows) of every active group) -> (their rates, (link, flows, rate) per link)
-        self._rate_memo: dict[tuple[tuple[PathGroup, int], ...],
-                              tuple[tuple[float, ...], list[tuple[_Link, int, float]]]] = {}
+        # (group index, flows) of every active group, flattened -> (their rates, (flows, rate)
+        # of every link, flattened); numbers only, so the garbage collector does not track them
+        self._rate_memo: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[Any, ...]]] = {}
 
     # ----------------------------------------------------------------- routing
 
@@ -329,7 +329,7 @@ class Fabric:
         self._advance()
         group = self._groups.get(links)
         if group is None:
-            group = self._groups[links] = PathGroup(links)
+            group = self._groups[links] = PathGroup(links, len(self._groups))
             for link in links:
                 link.groups.append(group)
         if group not in self._active:
@@ -354,22 +354,25 @@ class Fabric:
         The rates are a function of the active groups (in order) and their flow counts only,
         so an allocation met before is reused (the same floats: nothing is recomputed)."""
         active = self._active
-        key = tuple([(g, g.n) for g in active])
-        got = self._rate_memo.get(key)
+        key: list[int] = []
+        for g in active:
+            key += (g.index, g.n)
+        got = self._rate_memo.get(tkey := tuple(key))
         if got is None:
             max_min_rates(active)
             if len(self._rate_memo) >= _MEMO_LIMIT:
                 self._rate_memo.clear()
-            got = self._rate_memo[key] = (tuple([g.rate for g in active]), self._link_loads())
+            got = self._rate_memo[tkey] = (tuple([g.rate for g in active]), self._link_loads())
         else:
             for g, rate in zip(active, got[0]):
                 g.rate = rate
         self._log_rates(got[1])
         self._arm_timer()
 
-    def _link_loads(self) -> list[tuple[_Link, int, float]]:
-        """(link, flows on it, aggregate rate) of every link, from the groups' rates."""
-        loads = []
+    def _link_loads(self) -> tuple[Any, ...]:
+        """(flows on it, aggregate rate) of every link in creation order, flattened, from the
+        groups' rates."""
+        loads: list[Any] = []
         for link in self._links.values():
             nflows = 0
             rate = 0.0
@@ -377,12 +380,12 @@ class Fabric:
                 if g.n:
                     nflows += g.n
                     rate += g.rate * g.n
-            loads.append((link, nflows, rate))
-        return loads
+            loads += (nflows, rate)
+        return tuple(loads)
 
-    def _log_rates(self, loads: list[tuple[_Link, int, float]]) -> None:
+    def _log_rates(self, loads: tuple[Any, ...]) -> None:
         now = self.env.now
-        for link, nflows, rate in loads:
+        for link, nflows, rate in zip(self._links.values(), loads[0::2], loads[1::2]):
             if rate == link.seg_rate and nflows == link.seg_flows:
                 continue
             if link.seg_rate > 0 and now > link.seg_start:
