@@ -590,7 +590,10 @@ class Transport(Protocol):
     def release_dlist_handle(self, handle: int) -> None: ...
 
     def make_prepped_xfer(self, op: str, local_dlist: int, local_ids: np.ndarray, remote_dlist: int,
-                          remote_ids: np.ndarray, notif: bytes = b"") -> int: ...
+                          remote_ids: np.ndarray, notif: bytes = b"") -> int:
+        """Ids are integer arrays; a transport whose ``accepts_outer_ids`` is true also takes
+        :class:`~hkvsim.transport.outer.OuterIds` (the same ids with their structure)."""
+        ...
 
     def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
                   remote_descs: np.ndarray, notif: bytes = b"") -> int:
