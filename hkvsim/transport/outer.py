@@ -97,6 +97,10 @@ class _Rows:
 
     def __init__(self, dl: AffineList, starts: np.ndarray) -> None:
         self.starts = starts  # kept alive: the cache is keyed by its id
+        if not len(dl):  # an empty list: no row is inside it
+            self.col_lo, self.col_hi, self.plain = 1, 0, True
+            self.stride = self.length = self.at0 = np.zeros(starts.shape, dtype=np.int64)
+            return
         seg = dl.segments(starts)
         inside = (seg >= 0)
         seg = np.where(inside, seg, 0)

@@ -138,6 +138,12 @@ def test_refusals_are_the_flat_ones() -> None:
         want = _message(lambda: check_pairs(la, lo.flat(), ra, ro.flat(), what="t"))
         assert got == want, name
     assert outer_pairs(la, *cases["length"][:1], ra, cases["length"][1], {}) is None
+    empty = AffineList(counts=np.zeros(0, np.int64), base=np.zeros(0, np.int64),
+                       stride=np.zeros(0, np.int64), length=np.zeros(0, np.int64), device=0)
+    lo = OuterIds([(np.array([0]), np.array([0]))])
+    got = _message(lambda: check_pairs(empty, lo, empty, lo, what="t", outer_cache={}))
+    assert got == _message(lambda: check_pairs(empty, lo.flat(), empty, lo.flat(), what="t"))
+    assert "the local list has 0 descriptors" in got
 
 
 def test_a_row_crossing_segments_is_checked_flat() -> None:
