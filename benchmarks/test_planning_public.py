@@ -17,6 +17,7 @@ descriptor count, whatever merging makes of it).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -80,9 +81,12 @@ class PublicPlan:
         self.descriptors = self.once()[1]
 
     def once(self) -> tuple[float, int]:
-        """One timed start_read (seconds, descriptors), then the untimed completion."""
+        """One timed start_read (seconds, descriptors), then the untimed completion. Each
+        call gets a request object of its own, as every request does (nothing the connector
+        remembers per request object is reused across calls)."""
+        request = dataclasses.replace(self.request)
         t0 = time.perf_counter()
-        outcome = self.decode.start_read(self.request)
+        outcome = self.decode.start_read(request)
         elapsed = time.perf_counter() - t0
         while outcome is None:
             self.env.run()

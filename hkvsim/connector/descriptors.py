@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..transport.affine import AffineList
+from ..transport.outer import OuterIds
 from .metadata import RankMetadata
 from .tp import SourcePlan
 
@@ -70,6 +71,26 @@ class DescriptorList:
     def _subregion_starts(self) -> np.ndarray:
         return (self.state_base + np.arange(self.num_state_subregions, dtype=np.int64)
                 * self.state_blocks)[:, None]
+
+    @functools.cached_property
+    def region_starts(self) -> np.ndarray:
+        """The first id of every attention region (1-D int64)."""
+        return np.ascontiguousarray(self._region_starts[:, 0])
+
+    @functools.cached_property
+    def subregion_starts(self) -> np.ndarray:
+        """The first id of every state sub-region (1-D int64)."""
+        return np.ascontiguousarray(self._subregion_starts[:, 0])
+
+    def outer_ids(self, block_ids: np.ndarray | None, slot_ids: np.ndarray | None) -> OuterIds:
+        """``attention_ids(block_ids)`` then ``state_ids(slot_ids)`` (None: none), as the
+        OuterIds they are: the transport can check them from their structure."""
+        parts = []
+        if block_ids is not None:
+            parts.append((self.region_starts, block_ids))
+        if slot_ids is not None:
+            parts.append((self.subregion_starts, slot_ids))
+        return OuterIds(parts)
 
     def attention_ids(self, block_ids: np.ndarray) -> np.ndarray:
         """ids r*N_fa + k for every attention region r (region-major), k in ``block_ids``."""

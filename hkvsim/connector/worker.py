@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +93,7 @@ class _RemoteRank:
 
 
 @dataclass(eq=False)
-class _PairedBlocks:
+class _PairedBlocks:  # read-only once made: one request's ranks may share it
     attention_prefill: np.ndarray  # prefill kernel-block ids
     attention_decode: np.ndarray  # decode kernel (or sub-) block ids, paired by position
     state_prefill: np.ndarray
@@ -120,6 +121,10 @@ def parse_notification(message: bytes) -> tuple[str, int] | None:
     return rid, count
 
 
+# (request, what else the pairing depends on, its _PairedBlocks): see ConnectorWorker._paired_for
+_LAST_PAIRING: "tuple[ReadRequest, tuple[Any, ...], _PairedBlocks] | None" = None
+
+
 class ConnectorWorker:
     """One rank's connector state."""
 
@@ -133,6 +138,8 @@ class ConnectorWorker:
         self.transport = transport
         self.settings = settings
         self.device_id = device_id
+        # a transport that reads the structure of descriptor ids gets them as OuterIds
+        self._outer_ids = bool(getattr(transport, "accepts_outer_ids", False))
         self.memory: Memory | None = None
         self._meta: RankMetadata | None = None
         self._local_lists: dict[int, tuple[DescriptorList, int]] = {}  # sub_blocks -> (list, handle)
@@ -301,6 +308,24 @@ class ConnectorWorker:
             return self._finish(req.request_id)
         return None
 
+    def _paired_for(self, req: ReadRequest, *, ppl_p: int, bsr: int) -> "_PairedBlocks":
+        """The blocks of ``req`` paired (``_pair_blocks``). A request goes to every rank of an
+        engine, and the ranks share its layout: what the first rank paired is reused by the
+        others for the very same request object (the last pairing is remembered with the
+        request and everything else it depends on; the request's block arrays are not
+        modified after it is made)."""
+        global _LAST_PAIRING
+        ppl_d = self.layout.physical_blocks_per_logical
+        key = (id(self.layout), self.role, self.settings.quirks, ppl_p, ppl_d, bsr)
+        last = _LAST_PAIRING
+        if last is not None and last[0] is req and last[1] == key:
+            return last[2]
+        paired = self._pair_blocks(
+            prefill_blocks=req.prefill_blocks, decode_blocks=req.decode_blocks,
+            hit_blocks=req.decode_hit_blocks, ppl_p=ppl_p, ppl_d=ppl_d, bsr=bsr)
+        _LAST_PAIRING = (req, key, paired)
+        return paired
+
     def _pair_blocks(self, *, prefill_blocks: Mapping[int, np.ndarray],
                      decode_blocks: Mapping[int, np.ndarray], hit_blocks: int, ppl_p: int,
                      ppl_d: int, bsr: int) -> "_PairedBlocks":
@@ -357,10 +382,7 @@ class ConnectorWorker:
         first = next(iter(remotes.values()))
         bsr, plan = first.bsr, first.plan
         quirks = self.settings.quirks
-        paired = self._pair_blocks(
-            prefill_blocks=req.prefill_blocks, decode_blocks=req.decode_blocks,
-            hit_blocks=req.decode_hit_blocks, ppl_p=first.meta.physical_blocks_per_logical,
-            ppl_d=self.layout.physical_blocks_per_logical, bsr=bsr)
+        paired = self._paired_for(req, ppl_p=first.meta.physical_blocks_per_logical, bsr=bsr)
         la, ra = paired.attention_decode, paired.attention_prefill
         ls, rs = paired.state_decode, paired.state_prefill
         count = max(1, self.layout.tp // first.meta.tp_size)
@@ -380,13 +402,19 @@ class ConnectorWorker:
             else:
                 local_list, local_handle = self._local_list(bsr)
             rl = remote.remote_list
-            empty = np.zeros(0, np.int64)
-            local_ids = np.concatenate([
-                local_list.attention_ids(la) if reads_attention else empty,
-                local_list.state_ids(ls) if reads_state else empty])
-            remote_ids = np.concatenate([
-                rl.attention_ids(ra) if reads_attention else empty,
-                rl.state_ids(rs) if reads_state else empty])
+            if self._outer_ids:  # the same ids, with their structure (transport/outer.py)
+                local_ids: Any = local_list.outer_ids(la if reads_attention else None,
+                                                      ls if reads_state else None)
+                remote_ids: Any = rl.outer_ids(ra if reads_attention else None,
+                                               rs if reads_state else None)
+            else:
+                empty = np.zeros(0, np.int64)
+                local_ids = np.concatenate([
+                    local_list.attention_ids(la) if reads_attention else empty,
+                    local_list.state_ids(ls) if reads_state else empty])
+                remote_ids = np.concatenate([
+                    rl.attention_ids(ra) if reads_attention else empty,
+                    rl.state_ids(rs) if reads_state else empty])
             notif = f"{req.prefill_request_id}:{count}".encode()
             nbytes = ((la.size * local_list.attention_bytes if reads_attention else 0)
                       + (ls.size * local_list.state_bytes if reads_state else 0))
@@ -463,8 +491,13 @@ class ConnectorWorker:
             else:
                 local_list, local_handle = self._local_list(1)
             rl = remote.remote_list
-            local_ids = np.concatenate([local_list.attention_ids(la), local_list.state_ids(ls)])
-            remote_ids = np.concatenate([rl.attention_ids(ra), rl.state_ids(rs)])
+            if self._outer_ids:  # the same ids, with their structure (transport/outer.py)
+                local_ids: Any = local_list.outer_ids(la, ls)
+                remote_ids: Any = rl.outer_ids(ra, rs)
+            else:
+                local_ids = np.concatenate([local_list.attention_ids(la),
+                                            local_list.state_ids(ls)])
+                remote_ids = np.concatenate([rl.attention_ids(ra), rl.state_ids(rs)])
             nbytes = la.size * local_list.attention_bytes + ls.size * local_list.state_bytes
             self._post("WRITE", local_list, local_handle, local_ids, remote, remote_ids, notif,
                        handles, outcome, nbytes)

@@ -98,6 +98,8 @@ class SimDriver:
         self.loop = CoordinatorLoop(self.coord, self._carry_out, self._after_input)
         self._timer_at: float | None = None
         self._timer_gen = 0
+        # landing guard: per engine, the last (offsets, lengths, blocks, outside) it derived
+        self._last_touched: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
 
     # ---- the run --------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -204,9 +206,14 @@ class SimDriver:
         engine = self.coord.engine(rank[0])
         blocks = None if memo is None else memo.get("blocks")
         if blocks is None:  # which blocks the runs touch is fixed; only their owners change
-            _, blocks = blocks_touched(engine.layout, addrs - self._base[rank], lengths)
+            blocks, outside = self._touched(rank[0], engine.layout, addrs - self._base[rank],
+                                            lengths)
             if memo is not None:
-                memo["blocks"] = blocks
+                memo["blocks"], memo["outside"] = blocks, outside
+        else:
+            outside = memo["outside"]
+        if not outside and not (engine.pool.owner[blocks] != owner).any():
+            return False  # the common case: every block touched belongs to the request
         owners = np.where(blocks == OUTSIDE_BLOCKS, OUTSIDE_BLOCKS - 1,
                           engine.pool.owner[np.maximum(blocks, 0)])
         bad = owners != owner
@@ -221,6 +228,21 @@ class SimDriver:
             int(owner), agent, int(np.unique(blocks[bad & (blocks >= 0)]).size),
             victims=sorted({int(v) for v in owners[bad] if v >= 0}), where=where, landed=landed)
         return True
+
+    def _touched(self, engine_id: str, layout: Any, offsets: np.ndarray, lengths: np.ndarray
+                 ) -> tuple[np.ndarray, bool]:
+        """(blocks the byte runs at ``offsets`` of a rank's allocation touch, whether any byte
+        lies outside every block). The ranks of an engine share its layout, so the same runs
+        touch the same blocks on each: the last answer per engine is reused when the runs are
+        equal (a request's transfers to the ranks of one engine come one after another)."""
+        last = self._last_touched.get(engine_id)
+        if (last is not None and last[0].shape == offsets.shape
+                and bool((last[0] == offsets).all()) and bool((last[1] == lengths).all())):
+            return last[2], last[3]
+        _, blocks = blocks_touched(layout, offsets, lengths)
+        outside = bool(blocks.size) and int(blocks.min()) == OUTSIDE_BLOCKS
+        self._last_touched[engine_id] = (offsets, lengths, blocks, outside)
+        return blocks, outside
 
     # ---- the result -----------------------------------------------------------------------
     def _result(self) -> RunResult:

@@ -31,10 +31,11 @@ _REBASE_AT = float(2**32)
 class PathGroup:
     """The flows in flight on one path (a tuple of links)."""
 
-    __slots__ = ("links", "n", "rate", "served", "heap", "due_limit")
+    __slots__ = ("links", "n", "rate", "served", "heap", "due_limit", "index")
 
-    def __init__(self, links: tuple[Any, ...]) -> None:
+    def __init__(self, links: tuple[Any, ...], index: int = 0) -> None:
         self.links = links
+        self.index = index  # its owner's number for it (the fabric: creation order)
         self.n = 0
         self.rate = 0.0
         self.served = 0.0

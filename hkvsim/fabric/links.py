@@ -50,6 +50,9 @@ __all__ = ["FabricError", "TransferTiming", "LinkSegment", "Fabric"]
 _DONE_REL: Final[float] = 1e-9
 # Flows whose finish time is within this relative distance of the earliest one end together.
 _TIE_REL: Final[float] = 1e-12
+# rate allocations remembered per set of active paths and their flow counts (a run meets the
+# same few sets again and again); forgotten all at once past this many
+_MEMO_LIMIT: Final[int] = 2048
 
 
 class FabricError(ValueError):
@@ -165,12 +168,16 @@ class Fabric:
         self._groups: dict[tuple[_Link, ...], PathGroup] = {}
         self._active: dict[PathGroup, None] = {}  # groups with flows, in first-use order
         self._routes: dict[tuple[Hashable, Hashable], tuple[tuple[_Link, ...], float]] = {}
+        self._latencies: dict[tuple[Hashable, Hashable], float] = {}
         self._posting: dict[Endpoint, simpy.Resource] = {}
         self._fid = 0
         self._nflows = 0
         self._last_update = env.now
         self._timer_gen = 0
         self.link_log: list[LinkSegment] = []
+        # (group index, flows) of every active group, flattened -> (their rates, (flows, rate)
+        # of every link, flattened); numbers only, so the garbage collector does not track them
+        self._rate_memo: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[Any, ...]]] = {}
 
     # ----------------------------------------------------------------- routing
 
@@ -200,6 +207,7 @@ class Fabric:
         link = self._links.get(name)
         if link is None:
             link = self._links[name] = _Link(name, capacity)
+            self._rate_memo.clear()  # remembered link loads list every link
         return link
 
     def path(self, src: Hashable, dst: Hashable) -> tuple[str, ...]:
@@ -207,8 +215,12 @@ class Fabric:
         return tuple(link.name for link in self._route(src, dst)[0])
 
     def path_latency(self, src: Hashable, dst: Hashable) -> float:
-        """One-way latency of the ``src -> dst`` path, in seconds."""
-        return route(self.profile, self.endpoint(src), self.endpoint(dst)).latency
+        """One-way latency of the ``src -> dst`` path, in seconds (cached per pair)."""
+        latency = self._latencies.get((src, dst))
+        if latency is None:
+            latency = self._latencies[(src, dst)] = route(
+                self.profile, self.endpoint(src), self.endpoint(dst)).latency
+        return latency
 
     def link_capacity(self, name: str) -> float:
         """Capacity in bytes/s of a link that some flow has used."""
@@ -317,7 +329,7 @@ class Fabric:
         self._advance()
         group = self._groups.get(links)
         if group is None:
-            group = self._groups[links] = PathGroup(links)
+            group = self._groups[links] = PathGroup(links, len(self._groups))
             for link in links:
                 link.groups.append(group)
         if group not in self._active:
@@ -337,13 +349,30 @@ class Fabric:
         self._last_update = now
 
     def _reallocate(self) -> None:
-        """Max-min fair rates per path (progressive filling), then log rates and re-arm."""
-        max_min_rates(self._active)
-        self._log_rates()
+        """Max-min fair rates per path (progressive filling), then log rates and re-arm.
+
+        The rates are a function of the active groups (in order) and their flow counts only,
+        so an allocation met before is reused (the same floats: nothing is recomputed)."""
+        active = self._active
+        key: list[int] = []
+        for g in active:
+            key += (g.index, g.n)
+        got = self._rate_memo.get(tkey := tuple(key))
+        if got is None:
+            max_min_rates(active)
+            if len(self._rate_memo) >= _MEMO_LIMIT:
+                self._rate_memo.clear()
+            got = self._rate_memo[tkey] = (tuple([g.rate for g in active]), self._link_loads())
+        else:
+            for g, rate in zip(active, got[0]):
+                g.rate = rate
+        self._log_rates(got[1])
         self._arm_timer()
 
-    def _log_rates(self) -> None:
-        now = self.env.now
+    def _link_loads(self) -> tuple[Any, ...]:
+        """(flows on it, aggregate rate) of every link in creation order, flattened, from the
+        groups' rates."""
+        loads: list[Any] = []
         for link in self._links.values():
             nflows = 0
             rate = 0.0
@@ -351,6 +380,12 @@ class Fabric:
                 if g.n:
                     nflows += g.n
                     rate += g.rate * g.n
+            loads += (nflows, rate)
+        return tuple(loads)
+
+    def _log_rates(self, loads: tuple[Any, ...]) -> None:
+        now = self.env.now
+        for link, nflows, rate in zip(self._links.values(), loads[0::2], loads[1::2]):
             if rate == link.seg_rate and nflows == link.seg_flows:
                 continue
             if link.seg_rate > 0 and now > link.seg_start:

@@ -15,6 +15,7 @@ import msgpack
 import numpy as np
 
 from .affine import AffineList, PairedRuns
+from .outer import OuterIds, OuterPairs, outer_pairs
 
 __all__ = ["DONE", "PROC", "ERR", "MEM_TYPES", "TransportError", "Memory", "XferTelemetry",
            "Transport", "AgentAnnouncement", "PeerRegistrations", "check_descriptor_array",
@@ -213,9 +214,26 @@ class CheckedPairs:
 
     def __init__(self, li: np.ndarray, ri: np.ndarray, nbytes: int, *,
                  runs: "PairedRuns | None" = None, lrows: np.ndarray | None = None,
-                 rrows: np.ndarray | None = None) -> None:
-        self.li, self.ri, self.nbytes = li, ri, nbytes
+                 rrows: np.ndarray | None = None, outer: OuterPairs | None = None,
+                 descs: tuple[Any, Any] | None = None) -> None:
+        self.nbytes = nbytes
+        self._li, self._ri = li, ri
         self._runs, self._rows = runs, {"local": lrows, "remote": rrows}
+        self._outer, self._descs = outer, descs
+
+    @property
+    def li(self) -> np.ndarray:
+        """The local ids (int64, flat)."""
+        return np.asarray(self._li)
+
+    @property
+    def ri(self) -> np.ndarray:
+        """The remote ids (int64, flat)."""
+        return np.asarray(self._ri)
+
+    def ids(self) -> tuple[Any, Any]:
+        """(local, remote) ids as given: flat arrays, or OuterIds (flattened when used)."""
+        return self._li, self._ri
 
     @property
     def runs(self) -> "PairedRuns | None":
@@ -225,20 +243,29 @@ class CheckedPairs:
     def rows(self, side: str) -> np.ndarray:
         rows = self._rows[side]
         if rows is None:
-            assert self._runs is not None
-            rows = self._rows[side] = self._runs.rows(side)
+            if self._runs is not None:
+                rows = self._runs.rows(side)
+            else:
+                assert self._descs is not None
+                rows = list_rows(self._descs[side == "remote"],
+                                 self.li if side == "local" else self.ri)
+            self._rows[side] = rows
         return rows
 
     def coalesced(self) -> int:
         """Descriptors left after NIXL coalesces pairs adjacent on both sides."""
         from .coalesce import coalesced_count
 
+        if self._outer is not None:
+            return self._outer.coalesced
         n = self._runs.coalesced() if self._runs is not None else None
         return n if n is not None else coalesced_count(self.rows("local"), self.rows("remote"))
 
     def extents(self, side: str) -> tuple[np.ndarray, np.ndarray]:
         """(addresses, lengths) int64 byte runs naming exactly one side's bytes, each inside
         one registered region's segment (contiguous descriptors may come as one run)."""
+        if self._outer is not None:
+            return self._outer.extents(side)
         if self._runs is not None:
             return self._runs.extents(side)
         rows = self.rows(side)
@@ -246,9 +273,21 @@ class CheckedPairs:
 
 
 def check_pairs(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
-                remote_descs: "np.ndarray | AffineList", remote_ids: np.ndarray, *, what: str
-                ) -> CheckedPairs:
-    """:func:`check_paired_ids`, keeping what the checks derived (see CheckedPairs)."""
+                remote_descs: "np.ndarray | AffineList", remote_ids: np.ndarray, *, what: str,
+                outer_cache: dict[Any, Any] | None = None) -> CheckedPairs:
+    """:func:`check_paired_ids`, keeping what the checks derived (see CheckedPairs).
+
+    Ids given as :class:`~hkvsim.transport.outer.OuterIds` on both sides over two affine
+    lists are checked from their structure when it settles every check (``outer_cache``: a
+    dict the caller keeps for the geometry it derives); otherwise, as any ids, flat."""
+    if isinstance(local_ids, OuterIds) and isinstance(remote_ids, OuterIds):
+        if (outer_cache is not None and isinstance(local_descs, AffineList)
+                and isinstance(remote_descs, AffineList)):
+            got = outer_pairs(local_descs, local_ids, remote_descs, remote_ids, outer_cache)
+            if got is not None:
+                return CheckedPairs(local_ids, remote_ids, got.nbytes, outer=got,
+                                    descs=(local_descs, remote_descs))
+        local_ids, remote_ids = local_ids.flat(), remote_ids.flat()
     li = _ids(local_ids, what=what, side="local")
     ri = _ids(remote_ids, what=what, side="remote")
     if li.ndim != 1 or li.shape != ri.shape:
@@ -551,7 +590,10 @@ class Transport(Protocol):
     def release_dlist_handle(self, handle: int) -> None: ...
 
     def make_prepped_xfer(self, op: str, local_dlist: int, local_ids: np.ndarray, remote_dlist: int,
-                          remote_ids: np.ndarray, notif: bytes = b"") -> int: ...
+                          remote_ids: np.ndarray, notif: bytes = b"") -> int:
+        """Ids are integer arrays; a transport whose ``accepts_outer_ids`` is true also takes
+        :class:`~hkvsim.transport.outer.OuterIds` (the same ids with their structure)."""
+        ...
 
     def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
                   remote_descs: np.ndarray, notif: bytes = b"") -> int:

@@ -203,10 +203,14 @@ def _resolve(memories: list[Memory], addr: np.ndarray, length: np.ndarray, who: 
 class SimTransport:
     """One rank's agent on the simulated fabric."""
 
+    #: make_prepped_xfer reads the structure of OuterIds (hkvsim.transport.outer)
+    accepts_outer_ids = True
+
     def __init__(self, world: SimWorld, name: str) -> None:
         self.world = world
         self.name = name
         self._dlists: dict[int, _DList] = {}
+        self._outer_cache: dict[Any, Any] = {}  # check_pairs: geometry of OuterIds rows
         self._xfers: dict[int, _Xfer] = {}
         self._ids = count(1)
         self._remotes: set[str] = set()
@@ -319,8 +323,9 @@ class SimTransport:
         if local.agent != self.name:
             raise TransportError(f"{self.name}: invalid sides (local list belongs to {local.agent})")
         pairs = check_pairs(local.descs, local_ids, remote.descs, remote_ids,
-                            what=f"{self.name}: {op} with {remote.agent}")
-        li, ri = pairs.li, pairs.ri
+                            what=f"{self.name}: {op} with {remote.agent}",
+                            outer_cache=self._outer_cache)
+        li, ri = pairs.ids()
         handle = next(self._ids)
         x = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
                   notif=bytes(notif), nbytes=pairs.nbytes, owner=self.world.post_owner,

@@ -1,0 +1,86 @@
+"""The simulator's landing guard (drivers/sim.py ``_on_landing``) answers alike on its first
+call for a transfer and on later calls answered from the transfer's memo: blocks the request
+holds pass; bytes outside every block and blocks in the free pool are flagged, every time."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hkvsim.cluster import SimDriver
+from hkvsim.scenario import parse_scenarios
+
+TEXT = """
+[scenario]
+name = "landing guard"
+seed = 1
+[model]
+preset = "tiny-llama"
+[prefill]
+tp = 1
+[decode]
+tp = 1
+num_blocks = 16
+[workload]
+requests = 1
+prompt_tokens = 64
+verify = false
+"""
+
+
+def _driver() -> tuple[SimDriver, str, int, object]:
+    (scenario,) = parse_scenarios(TEXT)
+    driver = SimDriver(scenario, timing_only=True)
+    agent = next(a for a, rank in driver._agent_rank.items() if rank[0].startswith("decode"))
+    rank = driver._agent_rank[agent]
+    engine = driver.coord.engine(rank[0])
+    return driver, agent, driver._base[rank], engine
+
+
+def test_held_blocks_pass_and_free_ones_are_flagged_on_every_call() -> None:
+    driver, agent, base, engine = _driver()
+    page = engine.layout.unified_page_bytes
+    engine.pool.owner[[2, 3]] = 7
+    addrs = np.array([base + 2 * page, base + 3 * page], dtype=np.int64)
+    lengths = np.array([page, page], dtype=np.int64)
+    memo: dict = {}
+    for _ in range(2):  # the first call fills the memo, the second reads it
+        assert driver._on_landing(agent, addrs, lengths, 7, False, memo=memo) is False
+    assert memo["outside"] is False
+    assert driver.coord.counters["stray_writes"] == 0
+    engine.pool.owner[3] = -1  # freed under the transfer
+    for n in (1, 2):
+        assert driver._on_landing(agent, addrs, lengths, 7, True, memo=memo) is True
+        assert driver.coord.counters["late_landings"] == n
+    assert "the free pool" in driver.coord.misplaced_write_reports[-1]
+
+
+def test_bytes_outside_every_block_are_flagged_on_every_call() -> None:
+    driver, agent, base, engine = _driver()
+    layout = engine.layout
+    page = layout.unified_page_bytes
+    engine.pool.owner[:] = 7  # every block is the request's: only the outside bytes are wrong
+    past = base + layout.num_tensors * layout.tensor_stride  # past the allocation
+    addrs = np.array([base + page, past], dtype=np.int64)
+    lengths = np.array([page, 64], dtype=np.int64)
+    memo: dict = {}
+    for n in (1, 2):
+        assert driver._on_landing(agent, addrs, lengths, 7, False, memo=memo) is True
+        assert driver.coord.counters["stray_writes"] == n
+        assert "bytes outside every block" in driver.coord.misplaced_write_reports[-1]
+    assert memo["outside"] is True
+
+
+def test_runs_of_the_same_shape_elsewhere_are_not_answered_from_the_last_ones() -> None:
+    """The guard reuses an engine's last answer only for equal runs (a request's transfers to
+    the ranks of one engine): runs of the same shape at other offsets are looked up anew."""
+    driver, agent, base, engine = _driver()
+    page = engine.layout.unified_page_bytes
+    engine.pool.owner[[2, 3]] = 7
+    lengths = np.array([page, page], dtype=np.int64)
+    held = np.array([base + 2 * page, base + 3 * page], dtype=np.int64)
+    free = np.array([base + 4 * page, base + 5 * page], dtype=np.int64)
+    assert driver._on_landing(agent, held, lengths, 7, False, memo={}) is False
+    assert driver._on_landing(agent, held.copy(), lengths.copy(), 7, False, memo={}) is False
+    assert driver._on_landing(agent, free, lengths, 7, False, memo={}) is True
+    assert driver._on_landing(agent, held, lengths * 2, 7, False, memo={}) is True  # into 4, 5
+    assert driver._on_landing(agent, held, lengths, 7, False, memo={}) is False
