@@ -13,8 +13,10 @@ writes, late landings).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,25 @@ from ..transport.sim import SimWorld
 __all__ = ["SimDriver", "run_scenario"]
 
 log = logging.getLogger("hkvsim.sim")
+
+# A run allocates many short-lived containers (events, messages, per-request records) while
+# holding thousands of long-lived ones (requests in flight, their records): with Python's default
+# thresholds the cyclic collector re-scans the long-lived ones so often that a run's cost per
+# request grew with the requests in flight (+27 % from 16 to 1,024 in flight, all of it
+# collection time). Collecting every 100,000 allocations instead keeps it flat; nothing in a run
+# depends on when cycles are freed.
+_RUN_GC_THRESHOLDS = (100_000, 50, 100)
+
+
+@contextlib.contextmanager
+def fewer_collections() -> Iterator[None]:
+    """Run the cyclic garbage collector less often inside the block (restored after it)."""
+    old = gc.get_threshold()
+    gc.set_threshold(*_RUN_GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 class SimDriver:
@@ -107,8 +128,9 @@ class SimDriver:
         if faults is not None:
             for at, agent in faults.timed_deaths(list(self._agent_rank)):
                 self.env.process(self._kill_at(at, agent))
-        self._deliver(lambda: self.coord.start(self.env.now))
-        self.env.run()
+        with fewer_collections():
+            self._deliver(lambda: self.coord.start(self.env.now))
+            self.env.run()
         return self._result()
 
     def _kill_at(self, at: float, agent: str) -> Any:

@@ -1,0 +1,40 @@
+"""The simulated driver runs the cyclic garbage collector less often during a run (its cost per
+request otherwise grew with the requests in flight: collection time) and restores the process's
+thresholds afterwards, also when the run raises."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+
+from hkvsim.drivers import sim
+from hkvsim.scenario import load_scenarios
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_run_collects_less_often_and_restores_the_thresholds(monkeypatch) -> None:
+    scenario = load_scenarios(ROOT / "scenarios" / "tp-matrix" / "tp-matrix-tiny.toml")[0]
+    seen = []
+    real_run = sim.simpy.Environment.run
+
+    def run(env, *a, **kw):
+        seen.append(gc.get_threshold())
+        return real_run(env, *a, **kw)
+
+    monkeypatch.setattr(sim.simpy.Environment, "run", run)
+    before = gc.get_threshold()
+    result = sim.SimDriver(scenario).run()
+    assert result.outcome == "ok"
+    assert seen == [sim._RUN_GC_THRESHOLDS] and seen[0][0] > before[0]
+    assert gc.get_threshold() == before
+
+
+def test_thresholds_are_restored_when_the_run_raises() -> None:
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError), sim.fewer_collections():
+        assert gc.get_threshold() == sim._RUN_GC_THRESHOLDS
+        raise RuntimeError("boom")
+    assert gc.get_threshold() == before
