@@ -249,11 +249,11 @@ def collapsed_pairs(pairs: Any, local_bases: Sequence[int], remote_bases: Sequen
                                 (runs.remote, runs.ri, runs.rseg, remote_bases)):
         at = dl.addresses(ids[np.concatenate((starts, last))], np.concatenate((seg, seg)))
         reg = region_index(bases, at)
-        sides.append((dl, seg, at[:k], reg[:k], (dl.step_joins[seg] == 1) & (reg[:k] == reg[k:])))
-    collapse = (sides[0][4] & sides[1][4]) | (counts == 1)  # one descriptor: its own row
+        sides.append((dl, reg[:k], (dl.step_joins[seg] == 1) & (reg[:k] == reg[k:])))
+    collapse = (sides[0][2] & sides[1][2]) | (counts == 1)  # one descriptor: its own row
     out = []
-    for (dl, seg, heads, reg, _), side, bases in ((sides[0], "local", local_bases),
-                                                  (sides[1], "remote", remote_bases)):
+    for (dl, reg, _), side, bases in ((sides[0], "local", local_bases),
+                                      (sides[1], "remote", remote_bases)):
         addrs, lengths, _ = runs.expand_runs(side, collapse)
         rows = np.empty((addrs.size, 3), dtype=np.uint64)
         rows[:, 0] = addrs

@@ -326,6 +326,23 @@ class ConnectorWorker:
         _LAST_PAIRING = (req, key, paired)
         return paired
 
+    def _transfer_ids(self, local_list: DescriptorList, remote_list: DescriptorList,
+                      blocks: "tuple[np.ndarray, np.ndarray] | None",
+                      slots: "tuple[np.ndarray, np.ndarray] | None") -> tuple[Any, Any, int]:
+        """(local ids, remote ids, bytes) of a transfer of paired attention ``blocks`` and state
+        ``slots`` ((local, remote) ids each; None: that part is not moved): every attention
+        region's ids of the blocks, then every state sub-region's of the slots. As OuterIds
+        (the same ids with their structure, transport/outer.py) for a transport that reads it,
+        else flat int64 arrays; bytes counted per region, without a per-descriptor gather."""
+        (la, ra), (ls, rs) = blocks or (None, None), slots or (None, None)
+        local_ids = local_list.outer_ids(la, ls)
+        remote_ids = remote_list.outer_ids(ra, rs)
+        nbytes = ((0 if la is None else la.size * local_list.attention_bytes)
+                  + (0 if ls is None else ls.size * local_list.state_bytes))
+        if not self._outer_ids:
+            return local_ids.flat(), remote_ids.flat(), nbytes
+        return local_ids, remote_ids, nbytes
+
     def _pair_blocks(self, *, prefill_blocks: Mapping[int, np.ndarray],
                      decode_blocks: Mapping[int, np.ndarray], hit_blocks: int, ppl_p: int,
                      ppl_d: int, bsr: int) -> "_PairedBlocks":
@@ -402,22 +419,10 @@ class ConnectorWorker:
             else:
                 local_list, local_handle = self._local_list(bsr)
             rl = remote.remote_list
-            if self._outer_ids:  # the same ids, with their structure (transport/outer.py)
-                local_ids: Any = local_list.outer_ids(la if reads_attention else None,
-                                                      ls if reads_state else None)
-                remote_ids: Any = rl.outer_ids(ra if reads_attention else None,
-                                               rs if reads_state else None)
-            else:
-                empty = np.zeros(0, np.int64)
-                local_ids = np.concatenate([
-                    local_list.attention_ids(la) if reads_attention else empty,
-                    local_list.state_ids(ls) if reads_state else empty])
-                remote_ids = np.concatenate([
-                    rl.attention_ids(ra) if reads_attention else empty,
-                    rl.state_ids(rs) if reads_state else empty])
+            local_ids, remote_ids, nbytes = self._transfer_ids(
+                local_list, rl, (la, ra) if reads_attention else None,
+                (ls, rs) if reads_state else None)
             notif = f"{req.prefill_request_id}:{count}".encode()
-            nbytes = ((la.size * local_list.attention_bytes if reads_attention else 0)
-                      + (ls.size * local_list.state_bytes if reads_state else 0))
             self._post("READ", local_list, local_handle, local_ids, remote, remote_ids, notif,
                        handles, outcome, nbytes)
         return handles
@@ -491,14 +496,8 @@ class ConnectorWorker:
             else:
                 local_list, local_handle = self._local_list(1)
             rl = remote.remote_list
-            if self._outer_ids:  # the same ids, with their structure (transport/outer.py)
-                local_ids: Any = local_list.outer_ids(la, ls)
-                remote_ids: Any = rl.outer_ids(ra, rs)
-            else:
-                local_ids = np.concatenate([local_list.attention_ids(la),
-                                            local_list.state_ids(ls)])
-                remote_ids = np.concatenate([rl.attention_ids(ra), rl.state_ids(rs)])
-            nbytes = la.size * local_list.attention_bytes + ls.size * local_list.state_bytes
+            local_ids, remote_ids, nbytes = self._transfer_ids(local_list, rl, (la, ra),
+                                                               (ls, rs))
             self._post("WRITE", local_list, local_handle, local_ids, remote, remote_ids, notif,
                        handles, outcome, nbytes)
         return handles

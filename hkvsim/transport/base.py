@@ -22,7 +22,7 @@ __all__ = ["DONE", "PROC", "ERR", "MEM_TYPES", "TransportError", "Memory", "Xfer
            "check_handle", "check_mem_type", "check_op", "live_list", "held_resources", "releasable_xfer", "check_paired_ids", "check_prep_descriptors",
            "check_strided_array", "registration_problem", "PairedDescriptors", "pair_descriptors",
            "decode_agent_metadata", "encode_agent_metadata", "expand_strided", "overlapping",
-           "AffineList", "CheckedPairs", "check_pairs", "list_rows", "paired_rows"]
+           "AffineList", "CheckedPairs", "check_pairs", "list_rows"]
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
 OPS = ("READ", "WRITE")
@@ -319,14 +319,6 @@ def check_pairs(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
                              f"{int(ri[i])}) has local length {int(lengths_l[i])} but remote "
                              f"length {int(lengths_r[i])}")
     return CheckedPairs(li, ri, int(lengths_l.sum()), lrows=lrows, rrows=rrows)
-
-
-def paired_rows(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,
-                remote_descs: "np.ndarray | AffineList", remote_ids: np.ndarray, *, what: str
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    """:func:`check_paired_ids`, also returning both sides' (n, 3) rows."""
-    pairs = check_pairs(local_descs, local_ids, remote_descs, remote_ids, what=what)
-    return pairs.li, pairs.ri, pairs.rows("local"), pairs.rows("remote"), pairs.nbytes
 
 
 def check_paired_ids(local_descs: "np.ndarray | AffineList", local_ids: np.ndarray,

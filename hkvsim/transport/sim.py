@@ -332,9 +332,7 @@ class SimTransport:
                   coalesced=pairs.coalesced() if coalesces("prepped") else int(li.size),
                   handle=handle)
         if self.world.landing_guard is not None and li.size:  # derive it while runs are known
-            dst = self.name if op == "READ" else remote.agent
-            addrs, lengths = pairs.extents("local" if op == "READ" else "remote")
-            x.landing = (dst, addrs, lengths, {})
+            self._set_landing(x, *pairs.extents("local" if op == "READ" else "remote"))
         self._xfers[handle] = x
         return handle
 
@@ -473,14 +471,16 @@ class SimTransport:
                 rows = list_rows(x.local.descs, x.local_ids)
             else:
                 rows = list_rows(x.remote.descs, x.remote_ids)
-            self._set_landing(x, rows)
+            self._set_landing(x, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64))
         dst, addrs, lengths, memo = x.landing
         return bool(guard(dst, addrs, lengths, x.owner, landed, memo=memo))
 
-    def _set_landing(self, x: _Xfer, rows: np.ndarray) -> None:
-        """The destination runs of ``x``: (agent, addresses, lengths, guard memo)."""
+    def _set_landing(self, x: _Xfer, addrs: np.ndarray, lengths: np.ndarray) -> None:
+        """The destination byte runs of ``x``, for the landing guard: (agent, addresses,
+        lengths, guard memo); the destination is the local side of a READ, the remote one of
+        a WRITE."""
         dst = self.name if x.op == "READ" else x.remote.agent
-        x.landing = (dst, rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64), {})
+        x.landing = (dst, addrs, lengths, {})
 
     def _move(self, x: _Xfer, me: _Agent, remote: _Agent) -> None:
         ld, rd = list_rows(x.local.descs, x.local_ids), list_rows(x.remote.descs, x.remote_ids)
