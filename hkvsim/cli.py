@@ -631,8 +631,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a small sweep (seconds), for smoke tests; writes nothing by default")
     p.add_argument("--json", action="store_true", help="print the fit as JSON")
     p.add_argument("--host", action="store_true",
-                   help="instead of the sweep: fit the host-path constants (CPU copy cores, "
-                        "completion notice, coordinator message) on the FIT scenario files, "
+                   help="instead of the sweep: fit the host-path constants (the node's CPU "
+                        "cores shared by every rank's dispatch, post, copy, completion and "
+                        "oracle work; per-core copy rate, rank dispatch, completion notice, "
+                        "measured coordinator message and oracle rate) on the FIT scenario files, "
                         "judge them on the held-out files, and write the profile only if the "
                         "held-out median |error| <= 15 %% and the worst <= 40 %%")
     p.add_argument("--fit", nargs="+", default=None, metavar="FILE",

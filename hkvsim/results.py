@@ -281,6 +281,8 @@ def result_json(result: RunResult, *, requests: bool = False,
     }
     if result.implementation:  # absent for hkvsim's own core (keeps its outputs unchanged)
         out["implementation"] = dict(result.implementation)
+    if result.rank_cpu:  # real backends: CPU per operation kind (hkvsim/pd/cpu.py)
+        out["rank_cpu"] = dict(result.rank_cpu)
     if requests:
         out["request_details"] = [{**r.as_dict(), **request_timing(r.times, r.telemetry, mode)}
                                   for r in recs]

@@ -24,9 +24,11 @@ import json
 import os
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .pd.cpu import merge_rank_cpu
 
 __all__ = ["ValidationError", "FileResult", "coalescing_model_check", "steady_transfer_median", "validate", "with_profile",
            "write_outputs", "ACCEPT_MEDIAN", "ACCEPT_WORST"]
@@ -59,6 +61,10 @@ class FileResult:
     coalescing_model: tuple[int, int] = (0, 0)
     # whether every run of the file (sim and real) ran the oracle (False: timing-only runs)
     verified: bool = True
+    # the real runs' rank CPU per operation kind and in post calls, summed (pd/cpu.py), and the
+    # transfers they posted
+    rank_cpu: dict[str, Any] = field(default_factory=dict)
+    transfers: int = 0
 
     @property
     def real_median(self) -> float:
@@ -223,7 +229,10 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
             unexplained=tuple(float(steady_unexplained_median(d) or 0.0)
                               for d in [sim, *real]),
             coalescing_model=(sum(c for c, _ in checks), sum(m for _, m in checks)),
-            verified=verified.pop()))
+            verified=verified.pop(),
+            rank_cpu=merge_rank_cpu([r["rank_cpu"] for r in real if r.get("rank_cpu")]),
+            transfers=sum(len(q.get("telemetry") or []) for r in real
+                          for q in r.get("request_details") or [])))
     return out
 
 

@@ -1,11 +1,23 @@
 """``hkvsim calibrate --host``: fit the host-path constants of a DRAM profile on a FIT set of
 scenario files, then judge them on a held-out set and write the profile only if they pass.
 
-The host-path model (hkvsim/fabric/profile.py, topology.py) has four constants:
+The host-path model (hkvsim/fabric/profile.py, links.py) treats a node's CPU cores as a FIFO
+pool that every rank process of the node competes for: a transfer holds one core for the rank's
+dispatch, its post and its copy; noticing its completion and the message to the coordinator
+queue for a core too; in a verified run so does the oracle's fill and check. Its constants:
 
 * ``host_copy_cores``: the node's CPU cores (``os.cpu_count()``; measured, not fitted);
 * ``coordinator_message_us``: one rank -> coordinator message: half the median round trip of
   a 64-byte ping-pong between two spawned processes over a local pipe (measured, not fitted);
+* ``peer_poll_idle_us`` / ``peer_poll_busy_us``: how often a rank process calls into NIXL
+  when idle / with transfers in flight (its loop's select timeouts in hkvsim/backends/rank.py;
+  read from there, not fitted): a cma transfer completes only once the remote agent has
+  progressed since the post, and a notification is seen at the receiver's next poll;
+* ``oracle_core_gbps``: what one core fills or checks with the oracle,
+* ``rank_dispatch_us``: a rank's CPU on a transfer before its post, and
+* ``coordinator_call_us``: the coordinator's CPU per call it sends a rank: all three measured
+  in the FIT runs' own processes (CPU time per operation kind, :func:`measured_cpu`), not
+  fitted;
 * ``host_copy_core_gbps``: what one core copies, as whole scenarios see it (fitted);
 * ``completion_notice_us``: a completed transfer noticed by the rank's poll loop (fitted).
 
@@ -17,7 +29,8 @@ Procedure (nothing here looks at the held-out files until the constants are fixe
 2. Every FIT file runs ``repeats`` times on real NIXL, interleaved across files
    (:func:`hkvsim.validate.validate`); per file the median of the runs' steady-state medians is
    the target, their spread is reported.
-3. Every FIT file is simulated at every point of a grid of (per-core rate, completion notice);
+3. Every FIT file is simulated at every point of a grid of (per-core rate, completion notice),
+   with the measured constants;
    the point with the smallest mean |log(simulated / real)| over the FIT files wins (an L1 fit in
    log space: symmetric in over- and under-prediction, no square to let one noisy file dominate;
    on repeated fits of this machine it moved far less than the median-|error| criterion tried
@@ -46,15 +59,18 @@ from typing import Any
 from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, ValidationError,
                        steady_transfer_median, summary, validate, with_profile)
 
-__all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "HOST_KEYS", "check_load", "fit_host",
-           "host_block", "measure_coordinator_message", "replace_host_block", "calibrate_host"]
+__all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "HOST_KEYS", "check_load",
+           "fit_host", "host_block", "measure_coordinator_message", "measured_cpu",
+           "rank_poll_periods_us", "replace_host_block", "calibrate_host"]
 
-#: Per-core copy rates tried (GB/s): geometric, 0.1 .. ~12.
-GRID_GBPS: tuple[float, ...] = tuple(round(0.2 * 1.25 ** k, 4) for k in range(18))
+#: Per-core copy rates tried (GB/s): geometric, 1 .. ~14.6 (x 1.5625).
+GRID_GBPS: tuple[float, ...] = tuple(round(1.25 ** k, 4) for k in range(0, 14, 2))
 #: Completion notices tried (us).
 GRID_NOTICE_US: tuple[float, ...] = (1.0, 50.0, 100.0, 200.0, 300.0, 500.0, 700.0, 1000.0,
-                                     1500.0, 2200.0, 3300.0)
-HOST_KEYS = ("host_copy_cores", "host_copy_core_gbps", "completion_notice_us",
+                                     1500.0)
+#: Rank dispatches tried (us).
+HOST_KEYS = ("host_copy_cores", "host_copy_core_gbps", "rank_dispatch_us", "oracle_core_gbps",
+             "peer_poll_idle_us", "peer_poll_busy_us", "completion_notice_us",
              "coordinator_message_us")
 _BLOCK_START = "# ---- host-path model (hkvsim calibrate --host"
 
@@ -69,11 +85,27 @@ class HostFit:
     core_gbps: float
     completion_notice_us: float
     coordinator_message_us: float
+    rank_dispatch_us: float = 0.0  # 0: not modelled
+    oracle_core_gbps: float | None = None  # None: the oracle costs no simulated time
+    peer_poll_idle_us: float = 0.0  # 0: completions do not wait for the remote's progress
+    peer_poll_busy_us: float = 0.0
+    coordinator_call_us: float = 0.0  # 0: the coordinator's CPU is not modelled
 
     def overrides(self) -> dict[str, Any]:
-        return {"host_copy_cores": self.cores, "host_copy_core_gbps": self.core_gbps,
-                "completion_notice_us": self.completion_notice_us,
-                "coordinator_message_us": self.coordinator_message_us}
+        out: dict[str, Any] = {
+            "host_copy_cores": self.cores, "host_copy_core_gbps": self.core_gbps,
+            "completion_notice_us": self.completion_notice_us,
+            "coordinator_message_us": self.coordinator_message_us}
+        if self.rank_dispatch_us:
+            out["rank_dispatch_us"] = self.rank_dispatch_us
+        if self.oracle_core_gbps:
+            out["oracle_core_gbps"] = self.oracle_core_gbps
+        if self.peer_poll_idle_us:
+            out["peer_poll_idle_us"] = self.peer_poll_idle_us
+            out["peer_poll_busy_us"] = self.peer_poll_busy_us
+        if self.coordinator_call_us:
+            out["coordinator_call_us"] = self.coordinator_call_us
+        return out
 
 
 def check_load(*, force: bool, cores: int | None = None,
@@ -136,25 +168,104 @@ def _sim(scenario: Any, profile: Path | None, overrides: dict[str, Any]) -> floa
 def fit_host(scenarios: Sequence[Any], real: Sequence[float], *, cores: int,
              coordinator_message_us: float, profile: Path | None = None,
              grid: Sequence[float] = GRID_GBPS,
-             notice_grid: Sequence[float] = GRID_NOTICE_US) -> tuple[HostFit, list[float]]:
-    """The (per-core rate, completion notice) grid point that best predicts ``real`` (seconds,
-    one per scenario) and the simulated times of the FIT files with it (module docstring,
-    step 3)."""
+             notice_grid: Sequence[float] = GRID_NOTICE_US,
+             dispatch_grid: Sequence[float] = (0.0,),
+             oracle_core_gbps: float | None = None,
+             peer_poll_us: tuple[float, float] = (0.0, 0.0),
+             coordinator_call_us: float = 0.0) -> tuple[HostFit, list[float]]:
+    """The (per-core rate, rank dispatch, completion notice) grid point that best predicts
+    ``real`` (seconds, one per scenario) and the simulated times of the FIT files with it
+    (module docstring, step 3); ties go to the point met first (grid order). The calibration
+    passes the measured dispatch as a one-point grid."""
     if len(scenarios) != len(real) or not scenarios:
         raise ValidationError("fit_host: need one real time per FIT scenario, at least one")
     best: tuple[float, HostFit, list[float]] | None = None
     for gbps in grid:
-        for notice in notice_grid:
-            trial = HostFit(cores, gbps, notice, coordinator_message_us)
-            sims = [_sim(s, profile, trial.overrides()) for s in scenarios]
-            cost = statistics.fmean(abs(math.log(s / r)) for s, r in zip(sims, real))
-            if best is None or cost < best[0]:
-                best = (cost, trial, sims)
+        for dispatch in dispatch_grid:
+            for notice in notice_grid:
+                trial = HostFit(cores, gbps, notice, coordinator_message_us, dispatch,
+                                oracle_core_gbps, *peer_poll_us, coordinator_call_us)
+                sims = [_sim(s, profile, trial.overrides()) for s in scenarios]
+                cost = statistics.fmean(abs(math.log(s / r)) for s, r in zip(sims, real))
+                if best is None or cost < best[0]:
+                    best = (cost, trial, sims)
     assert best is not None
     return best[1], best[2]
 
 
+def rank_poll_periods_us() -> tuple[float, float]:
+    """(idle, busy) period of a real rank's loop between NIXL polls, in us (backends/rank.py)."""
+    from .backends import rank
+
+    return round(rank._IDLE_POLL_S * 1e6, 3), round(rank._BUSY_POLL_S * 1e6, 3)
+
+
+def measured_cpu(results: Sequence[FileResult]) -> dict[str, Any]:
+    """What the real rank processes of ``results`` (FIT runs) spent, per core (pd/cpu.py):
+    ``oracle_core_gbps`` (oracle bytes over the CPU of the fills and checks; None when no run
+    ran the oracle), ``rank_dispatch_us`` (CPU of the StartRead / StartWrite operations less
+    the CPU inside their post calls, per post) and ``coordinator_call_us`` (the coordinator
+    process's CPU over the runs per call it sent a rank), with the totals they come from."""
+    from .pd.cpu import merge_rank_cpu
+
+    total = merge_rank_cpu([r.rank_cpu for r in results if r.rank_cpu])
+    ops = total["by_op"]
+    oracle_cpu = sum(ops.get(k, [0, 0.0, 0])[1] for k in ("OracleWrite", "Verify"))
+    oracle_b = sum(ops.get(k, [0, 0.0, 0])[2] for k in ("OracleWrite", "Verify"))
+    start_cpu = sum(ops.get(k, [0, 0.0, 0])[1] for k in ("StartRead", "StartWrite"))
+    posts = int(total["posts"])
+    if posts == 0 or start_cpu <= 0:
+        raise ValidationError("the FIT runs' ranks reported no post calls or no StartRead / "
+                              "StartWrite CPU (a real backend that does not count them?); "
+                              "allowed: FIT files run on hkvsim's NIXL backend")
+    dispatch = max(start_cpu - float(total["post_cpu_seconds"]), 0.0) / posts
+    coordinator = total.get("coordinator") or {"calls": 0, "cpu_seconds": 0.0}
+    calls = int(coordinator["calls"])
+    return {"coordinator_call_us": round(coordinator["cpu_seconds"] / calls * 1e6, 1)
+            if calls else 0.0, "coordinator_calls": calls,
+            "coordinator_cpu_seconds": float(coordinator["cpu_seconds"]),"oracle_core_gbps": round(oracle_b / oracle_cpu / 1e9, 4)
+            if oracle_b and oracle_cpu > 0 else None,
+            "rank_dispatch_us": round(dispatch * 1e6, 1),
+            "oracle_bytes": oracle_b, "oracle_cpu_seconds": oracle_cpu,
+            "start_ops": sum(ops.get(k, [0, 0.0, 0])[0] for k in ("StartRead", "StartWrite")),
+            "start_cpu_seconds": start_cpu, "posts": posts,
+            "post_cpu_seconds": float(total["post_cpu_seconds"])}
+
+
 # ---- the profile's host block ------------------------------------------------------------------
+def _dispatch_lines(fit: HostFit) -> str:
+    """The host block's dispatch and peer-poll lines (none for a constant not modelled)."""
+    out = ""
+    if fit.rank_dispatch_us:
+        out += f"""# A rank's CPU work on a transfer before its post (the coordinator's order, descriptors, the
+# NIXL request): measured in the FIT runs' rank processes (CPU of StartRead / StartWrite less
+# the CPU inside their post calls, per post).
+rank_dispatch_us = {fit.rank_dispatch_us}
+"""
+    if fit.coordinator_call_us:
+        out += f"""# The coordinator's CPU per call it sends a rank (on its one thread and a core), measured:
+# the coordinator process's CPU over the FIT runs per call sent.
+coordinator_call_us = {fit.coordinator_call_us}
+"""
+    if fit.peer_poll_idle_us:
+        out += f"""# A rank calls into NIXL every peer_poll_busy_us with transfers in flight, every
+# peer_poll_idle_us otherwise, and when a message wakes it (backends/rank.py): a cma transfer
+# completes once the remote agent has progressed since the post; a notification is seen at the
+# receiver's next poll.
+peer_poll_idle_us = {fit.peer_poll_idle_us}
+peer_poll_busy_us = {fit.peer_poll_busy_us}
+"""
+    return out.rstrip("\n")
+
+
+def _oracle_lines(fit: HostFit) -> str:
+    if not fit.oracle_core_gbps:
+        return "# oracle_core_gbps: not measured (the FIT runs ran no oracle)"
+    return f"""# What one core fills or checks with the byte oracle (verified runs): measured in the FIT
+# runs' rank processes (oracle bytes over the CPU of their fills and checks).
+oracle_core_gbps = {fit.oracle_core_gbps}"""
+
+
 def host_block(fit: HostFit, meta: dict[str, Any]) -> str:
     """The profile lines for the four constants, each with where it comes from."""
     return f"""
@@ -166,13 +277,17 @@ def host_block(fit: HostFit, meta: dict[str, Any]) -> str:
 # {meta['held_out_worst']} (bounds {100 * ACCEPT_MEDIAN:.0f} % / {100 * ACCEPT_WORST:.0f} %). See reports/calibration/host-path.md.
 # The copies of UCX cma run on the node's CPU cores, shared by all its ranks: os.cpu_count().
 host_copy_cores = {fit.cores}
+# A transfer holds one core (FIFO) for its dispatch, post and copy; noticing its completion, the
+# message to the coordinator and (verified runs) the oracle's work queue for a core too.
 # What one core copies, as whole scenarios see it (a machine shared with other work sees less):
 # with completion_notice_us, the grid point whose simulation of the FIT files has the smallest
 # mean |log(simulated / real)|.
 host_copy_core_gbps = {fit.core_gbps}
+{_dispatch_lines(fit)}
 # A completed transfer noticed by the rank's poll loop (it sleeps 0.1 ms busy / 1 ms idle
 # between NIXL polls), plus scheduling: fitted with host_copy_core_gbps (above).
 completion_notice_us = {fit.completion_notice_us}
+{_oracle_lines(fit)}
 # The rank's completion message to the coordinator: half the median round trip of a 64-byte
 # ping-pong between two spawned processes over a local pipe (200 rounds).
 coordinator_message_us = {fit.coordinator_message_us}
@@ -235,9 +350,16 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
     coord_us = round(measure_coordinator_message() * 1e6, 1)
     say(f"coordinator message {coord_us} us")
     fit_real = validate(fit_files, repeats=repeats, progress=say, profile=profile_in)
+    cpu = measured_cpu(fit_real)
+    say(f"measured in the FIT runs: dispatch {cpu['rank_dispatch_us']} us per post, oracle "
+        f"{cpu['oracle_core_gbps']} GB/s per core, coordinator {cpu['coordinator_call_us']} us "
+        "per call")
     real = [r.real_median for r in fit_real]
     fit, fit_sims = fit_host(fit_scen, real, cores=cores, coordinator_message_us=coord_us,
-                             profile=profile_in)
+                             profile=profile_in, oracle_core_gbps=cpu["oracle_core_gbps"],
+                             dispatch_grid=(cpu["rank_dispatch_us"],),
+                             peer_poll_us=rank_poll_periods_us(),
+                             coordinator_call_us=cpu["coordinator_call_us"])
     say(f"fit: {fit}")
     loads = [x for r in fit_real for x in r.loads] + [load0]
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -268,7 +390,7 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
 
         load_profile(profile_out)  # what we wrote must load
         written = str(profile_out)
-    result = {"accepted": accepted, "refused": refused, "fit": asdict(fit),
+    result = {"accepted": accepted, "refused": refused, "fit": asdict(fit), "measured_cpu": cpu,
               "profile_written": written, "meta": meta, "held_out_summary": s,
               "fit_files": [{"file": r.file, "sim_seconds": sim, "real_seconds": r.real_seconds,
                              "real_median": r.real_median, "spread": r.spread,
@@ -287,12 +409,13 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
                   fit_sims: list[float], held: list[FileResult], cores: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     meta, fit, s = result["meta"], result["fit"], result["held_out_summary"]
+    cpu = result["measured_cpu"]
     fit_errs = [abs(x["error"]) for x in result["fit_files"]]
     verdict = ("accepted: profile written" if result["accepted"] and result["profile_written"]
                else "accepted (no profile path given)" if result["accepted"]
                else "REFUSED: no profile written")
     lines = [
-        "# Host-path calibration: CPU copy cores and per-request overheads (cpu-ucx-loopback)",
+        "# Host-path calibration: the node's CPU cores and per-transfer CPU work (cpu-ucx-loopback)",
         "",
         f"Written by `hkvsim calibrate --host` ({meta['when']}; {cores} core(s)). Load average "
         f"{meta['load_min']:.1f}-{meta['load_max']:.1f} while it ran"
@@ -305,10 +428,22 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
         "| constant | value | how |", "|---|---:|---|",
         f"| host_copy_cores | {fit['cores']} | os.cpu_count() |",
         f"| host_copy_core_gbps | {fit['core_gbps']} | fitted on the FIT set (grid "
-        f"{GRID_GBPS[0]}..{GRID_GBPS[-1]} GB/s, x1.25), with the notice: smallest mean "
+        f"{GRID_GBPS[0]}..{GRID_GBPS[-1]} GB/s, x1.5625), with the notice: smallest mean "
         "\\|log(sim / real)\\| |",
+        f"| rank_dispatch_us | {fit['rank_dispatch_us']} | measured in the FIT runs' ranks: CPU "
+        f"of {cpu['start_ops']:,} StartRead / StartWrite ({1e3 * cpu['start_cpu_seconds']:.1f} "
+        f"ms) less the CPU inside their {cpu['posts']:,} post calls "
+        f"({1e3 * cpu['post_cpu_seconds']:.1f} ms), per post |",
+        f"| coordinator_call_us | {fit['coordinator_call_us']} | measured in the FIT runs: the "
+        f"coordinator process's CPU ({1e3 * cpu['coordinator_cpu_seconds']:.1f} ms) over the "
+        f"{cpu['coordinator_calls']:,} calls it sent |",
+        f"| peer_poll_idle_us / peer_poll_busy_us | {fit['peer_poll_idle_us']:g} / "
+        f"{fit['peer_poll_busy_us']:g} | the rank loop's NIXL poll periods (backends/rank.py) |",
         f"| completion_notice_us | {fit['completion_notice_us']} | fitted, with the rate (grid "
         f"{', '.join(f'{n:g}' for n in GRID_NOTICE_US)} us) |",
+        f"| oracle_core_gbps | {fit['oracle_core_gbps']} | measured in the FIT runs' ranks: "
+        f"{cpu['oracle_bytes'] / 1e6:,.1f} MB filled or checked in "
+        f"{1e3 * cpu['oracle_cpu_seconds']:.1f} ms of CPU |",
         f"| coordinator_message_us | {fit['coordinator_message_us']} | measured: 64-byte pipe "
         "ping-pong / 2, median of 200 |",
         "",

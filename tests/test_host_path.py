@@ -1,4 +1,5 @@
-"""The host-path model (shared per-node CPU copy link, per-request completion overheads) and its
+"""The host-path model (a node's CPU cores as a FIFO pool for dispatch, post, copy, completion
+and oracle work) and its
 calibration gate (hkvsim/validate_fit.py): fit on a FIT set, refuse on held-out error."""
 
 from __future__ import annotations
@@ -19,50 +20,107 @@ CPU = "cpu-ucx-loopback"
 HOST = {"host_copy_cores": 2, "host_copy_core_gbps": 1.0}
 
 
-def _flows(profile: Any, pairs: list[tuple[str, str]], nbytes: int) -> list[float]:
-    """Wire times of concurrent one-descriptor transfers started together."""
+def _copies(profile: Any, pairs: list[tuple[str, str]], nbytes: int, *,
+             nodes: dict[str, int] | None = None) -> list[Any]:
+    """Timings of concurrent one-descriptor transfers started together (initiator = src)."""
     env = simpy.Environment()
     names = sorted({k for p in pairs for k in p})
-    fabric = Fabric(env, profile, {k: Endpoint(0, i) for i, k in enumerate(names)})
+    nodes = nodes or {}
+    fabric = Fabric(env, profile, {k: Endpoint(nodes.get(k, 0), i) for i, k in enumerate(names)})
     events = [fabric.transfer(initiator=a, src=a, dst=b, nbytes=nbytes, descriptors=1)
               for a, b in pairs]
     env.run()
-    return [e.value.wire_time for e in events]
+    return [e.value for e in events]
 
 
 def test_optional_keys_absent_leave_the_path_as_before() -> None:
     p = load_profile(CPU)
-    assert p.host_copy_capacity is None and p.completion_overhead == 0.0
+    assert p.host_cores is None and p.completion_overhead == 0.0 and p.rank_dispatch == 0.0
     r = route(p, Endpoint(0, 0), Endpoint(0, 1))
     assert [n for n, _ in r.links] == ["n0g0.nvl.tx", "n0g1.nvl.rx"]
     gpu = load_profile("h200-nvlink")
-    assert gpu.host_copy_capacity is None
+    assert gpu.host_cores is None and gpu.oracle_core_bandwidth is None
+    # without the host model four transfers between distinct rank pairs do not slow each other
+    free = _copies(p, [("a", "b"), ("c", "d"), ("e", "f"), ("g", "h")], 10**8)
+    assert [t.wire_time for t in free] == pytest.approx([10**8 / p.intra_node_bandwidth] * 4,
+                                                         rel=1e-9)
 
 
-def test_cpu_link_is_shared_by_every_rank_of_the_node() -> None:
-    p = load_profile(CPU, overrides=HOST)  # node: 2 cores x 1 GB/s = 2 GB/s
-    assert p.host_copy_capacity == pytest.approx(2e9)
+def test_copies_queue_for_the_node_cores_first_come_first_served() -> None:
+    p = load_profile(CPU, overrides=HOST)  # 2 cores, 1 GB/s each
+    assert p.host_cores == 2
     r = route(p, Endpoint(0, 0), Endpoint(0, 1))
-    assert r.links[-1] == ("n0.cpu", pytest.approx(2e9))
+    assert [n for n, _ in r.links] == ["n0g0.nvl.tx", "n0g1.nvl.rx"]  # no shared cpu link
     nbytes = 10**8
-    # one flow: capped by the node's cores (2 GB/s < the 5.7 GB/s per-rank link)
-    (alone,) = _flows(p, [("a", "b")], nbytes)
-    assert alone == pytest.approx(nbytes / 2e9, rel=1e-9)
-    # four flows between four distinct rank pairs: no per-rank link is shared, the cores are
-    four = _flows(p, [("a", "b"), ("c", "d"), ("e", "f"), ("g", "h")], nbytes)
-    assert four == pytest.approx([4 * nbytes / 2e9] * 4, rel=1e-9)
-    # without the host model the same four flows do not slow each other down
-    base = load_profile(CPU)
-    free = _flows(base, [("a", "b"), ("c", "d"), ("e", "f"), ("g", "h")], nbytes)
-    assert free == pytest.approx([nbytes / base.intra_node_bandwidth] * 4, rel=1e-9)
+    one_core = nbytes / 1e9 + p.post_time(1)
+    # one transfer alone: one core copies at the per-core rate, not the 5.7 GB/s link
+    (alone,) = _copies(p, [("a", "b")], nbytes)
+    assert alone.wire_time == pytest.approx(nbytes / 1e9, rel=1e-9)
+    # four transfers of four distinct ranks, two cores: two run, two wait for a core, and the
+    # waiting ones start when the first two end (a fair-shared link would slow all four alike)
+    four = _copies(p, [("a", "b"), ("c", "d"), ("e", "f"), ("g", "h")], nbytes)
+    assert [t.post_start for t in four] == pytest.approx([0, 0, one_core, one_core], abs=1e-12)
+    assert [t.wire_end for t in four] == pytest.approx([one_core, one_core, 2 * one_core,
+                                                        2 * one_core], rel=1e-9)
+    assert all(t.wire_time == pytest.approx(nbytes / 1e9, rel=1e-9) for t in four)
 
 
-def test_nodes_have_their_own_cpu_link() -> None:
-    p = load_profile(CPU, overrides={**HOST, "gpus_per_node": 2})
-    r = route(p, Endpoint(0, 0), Endpoint(1, 0))
-    assert [n for n, _ in r.links] == ["n0g0.nic.tx", "n1g0.nic.rx", "n0.cpu", "n1.cpu"]
-    assert [n for n, _ in route(p, Endpoint(1, 1), Endpoint(1, 1)).links] == [
-        "n1g1.hbm", "n1.cpu"]
+def test_nodes_have_their_own_cores() -> None:
+    p = load_profile(CPU, overrides={**HOST, "host_copy_cores": 1, "gpus_per_node": 4})
+    nbytes = 10**8
+    same = _copies(p, [("a", "b"), ("c", "d")], nbytes, nodes={"a": 0, "b": 0, "c": 0, "d": 0})
+    assert same[1].post_start == pytest.approx(same[0].wire_end)  # one core: the second waits
+    apart = _copies(p, [("a", "b"), ("c", "d")], nbytes, nodes={"a": 0, "b": 1, "c": 1, "d": 0})
+    assert [t.post_start for t in apart] == [0.0, 0.0]  # initiators on two nodes: no wait
+
+
+def test_dispatch_runs_on_the_core_before_the_post() -> None:
+    p = load_profile(CPU, overrides={**HOST, "host_copy_cores": 1, "rank_dispatch_us": 300.0})
+    first, second = _copies(p, [("a", "b"), ("c", "d")], 10**6)
+    assert first.post_start == pytest.approx(300e-6)
+    # the second rank's dispatch waits for the only core: copy of the first included
+    assert second.post_start == pytest.approx(first.wire_end + 300e-6, rel=1e-9)
+
+
+def test_completion_work_queues_behind_copies_holding_the_cores() -> None:
+    p = load_profile(CPU, overrides={**HOST, "host_copy_cores": 1,
+                                     "completion_notice_us": 100.0,
+                                     "coordinator_message_us": 10.0})
+    first, second = _copies(p, [("a", "b"), ("c", "d")], 10**8)
+    # the first copy's completion notice needs the core the second copy now holds
+    assert first.wire_end <= second.post_start
+    assert first.done >= second.wire_end + 110e-6
+    # with a core each, it completes right after its own copy
+    two = load_profile(CPU, overrides={**HOST, "completion_notice_us": 100.0,
+                                       "coordinator_message_us": 10.0})
+    first, _ = _copies(two, [("a", "b"), ("c", "d")], 10**8)
+    assert first.done == pytest.approx(first.wire_end + p.intra_node_latency + 110e-6)
+
+
+def test_oracle_work_costs_a_core_in_verified_runs_only() -> None:
+    from hkvsim.drivers.sim import SimDriver
+    from hkvsim.results import result_json
+    from hkvsim.scenario import load_scenarios
+    from hkvsim.validate import steady_transfer_median, with_profile
+
+    scenario = load_scenarios(ROOT / "scenarios/fit/deepseek-pull-1to2-burst3-warmed.toml")[0]
+    base = {**HOST, "host_copy_core_gbps": 5.0, "completion_notice_us": 100.0}
+    slow = {**base, "oracle_core_gbps": 0.05}  # the oracle's work swamps the copies
+
+    def transfer_ms(overrides: dict[str, Any], timing_only: bool) -> float:
+        run = SimDriver(with_profile(scenario, None, overrides), timing_only=timing_only).run()
+        data = result_json(run, requests=True)
+        assert data["outcome"] == "ok"
+        return steady_transfer_median(data) * 1e3, run
+
+    verified_free, _ = transfer_ms(base, False)
+    verified_slow, run = transfer_ms(slow, False)
+    assert run.mismatched_bytes == 0 and run.verified
+    # the oracle's work holds the rank's thread: completions are noticed after it
+    assert verified_slow > 1.5 * verified_free
+    timing_free, _ = transfer_ms(base, True)
+    timing_slow, _ = transfer_ms(slow, True)
+    assert timing_slow == pytest.approx(timing_free)  # no oracle runs: nothing to charge
 
 
 def test_completion_overheads_delay_transfers_not_notifications() -> None:
@@ -88,6 +146,9 @@ def test_completion_overheads_delay_transfers_not_notifications() -> None:
     ({"host_copy_cores": 2, "host_copy_core_gbps": -1}, "expected a finite number > 0"),
     ({"completion_notice_us": "x"}, "'completion_notice_us' = 'x'"),
     ({**HOST, "memory": "VRAM"}, "memory = 'DRAM' profiles only"),
+    ({"rank_dispatch_us": 100.0}, "'rank_dispatch_us' without 'host_copy_cores'"),
+    ({"oracle_core_gbps": 2.0}, "'oracle_core_gbps' without 'host_copy_cores'"),
+    ({**HOST, "rank_dispatch_us": -5}, "'rank_dispatch_us' = -5: expected a finite number > 0"),
 ])
 def test_bad_host_keys_say_what_is_allowed(overrides: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ProfileError) as err:
@@ -118,13 +179,17 @@ def test_host_block_replaces_itself_and_loads(tmp_path: Path) -> None:
             "fit_files": 5, "repeats": 3, "load_min": 0.5, "load_max": 1.0, "forced": False,
             "held_out_median": "10 %", "held_out_worst": "30 %"}
     base = (ROOT / "hkvsim/fabric/profiles/cpu-ucx-loopback.toml").read_text()
-    once = replace_host_block(base, host_block(HostFit(2, 1.5, 250.0, 9.0), meta))
-    twice = replace_host_block(once, host_block(HostFit(2, 2.5, 100.0, 9.0), meta))
+    once = replace_host_block(base, host_block(HostFit(2, 1.5, 250.0, 9.0, 300.0, 4.0), meta))
+    twice = replace_host_block(once, host_block(HostFit(2, 2.5, 100.0, 9.0, 400.0, 3.5, 1000.0,
+                                                        100.0), meta))
     assert twice.count("host_copy_cores =") == 1 and "host_copy_core_gbps = 2.5" in twice
+    assert twice.count("rank_dispatch_us =") == 1 and twice.count("oracle_core_gbps =") == 1
     path = tmp_path / "p.toml"
     path.write_text(twice)
     p = load_profile(path)
-    assert p.host_copy_capacity == pytest.approx(5e9)
+    assert (p.host_cores, p.host_copy_core_bandwidth) == (2, pytest.approx(2.5e9))
+    assert p.rank_dispatch == pytest.approx(400e-6)
+    assert p.oracle_core_bandwidth == pytest.approx(3.5e9)
     assert p.completion_overhead == pytest.approx(109e-6)
     assert replace_host_block(twice, None).strip() == base.strip()
 
@@ -157,9 +222,16 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
 
     monkeypatch.setattr(vf, "validate", fake_validate)
     monkeypatch.setattr(vf, "measure_coordinator_message", lambda: 10e-6)
+    monkeypatch.setattr(vf, "measured_cpu", lambda results: {
+        "oracle_core_gbps": 4.0, "rank_dispatch_us": 200.0, "oracle_bytes": 4e6,
+        "oracle_cpu_seconds": 1e-3, "start_ops": 10, "start_cpu_seconds": 3e-3, "posts": 10,
+        "post_cpu_seconds": 1e-3, "coordinator_call_us": 50.0, "coordinator_calls": 20,
+        "coordinator_cpu_seconds": 1e-3})
     monkeypatch.setattr(vf, "check_load", lambda force: (0.5, 2))
     monkeypatch.setattr(vf, "fit_host", lambda sc, real, **kw: (
-        vf.HostFit(2, 1.0, 100.0, kw["coordinator_message_us"]), [1e-3] * len(real)))
+        vf.HostFit(2, 1.0, 100.0, kw["coordinator_message_us"], kw["dispatch_grid"][0],
+                   kw["oracle_core_gbps"], *kw["peer_poll_us"], kw["coordinator_call_us"]),
+        [1e-3] * len(real)))
     out = tmp_path / "out.toml"
     result = vf.calibrate_host(fit_files, held_files, profile_in=ROOT / "hkvsim/fabric/"
                                "profiles/cpu-ucx-loopback.toml", profile_out=out,
@@ -168,7 +240,11 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
     assert out.exists() is accepted
     report = (tmp_path / "rep/host-path.md").read_text()
     if accepted:
-        assert load_profile(out).host_copy_capacity == pytest.approx(2e9)
+        written = load_profile(out)
+        assert written.host_cores == 2 and written.oracle_core_bandwidth == pytest.approx(4e9)
+        assert written.rank_dispatch == pytest.approx(200e-6)  # the measured one
+        assert (written.peer_poll_idle, written.peer_poll_busy) == (1e-3, 1e-4)  # rank.py's
+        assert written.coordinator_call == pytest.approx(50e-6)
         assert result["refused"] is None and "accepted: profile written" in report
     else:
         assert "REFUSED: no profile written" in report
@@ -193,11 +269,12 @@ def test_fit_recovers_the_constants_of_a_known_profile() -> None:
 
     files = sorted((ROOT / "scenarios/fit").glob("*.toml"))
     scen = [load_scenarios(f)[0] for f in files]
-    truth = HostFit(2, 0.5, 400.0, 10.0)
+    truth = HostFit(2, 3.0, 400.0, 10.0, 300.0, 2.0)
     real = [_sim(s, None, truth.overrides()) for s in scen]
     fit, sims = fit_host(scen, real, cores=2, coordinator_message_us=10.0,
-                         grid=(0.2, 0.3, 0.5, 0.8, 1.2), notice_grid=(1.0, 200.0, 400.0, 800.0))
-    assert (fit.core_gbps, fit.completion_notice_us) == (0.5, 400.0)
+                         grid=(1.0, 2.0, 3.0, 5.0), notice_grid=(1.0, 200.0, 400.0, 800.0),
+                         dispatch_grid=(0.0, 150.0, 300.0, 600.0), oracle_core_gbps=2.0)
+    assert (fit.core_gbps, fit.rank_dispatch_us, fit.completion_notice_us) == (3.0, 300.0, 400.0)
     assert sims == pytest.approx(real, rel=1e-9)
 
 

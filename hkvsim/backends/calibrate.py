@@ -739,9 +739,10 @@ def _run_host_cli(args: Any) -> int:
         sys.stdout.write("\n")
     else:
         f = result["fit"]
-        print(f"fit: {f['cores']} core(s) x {f['core_gbps']} GB/s, completion notice "
-              f"{f['completion_notice_us']} us, coordinator message "
-              f"{f['coordinator_message_us']} us")
+        print(f"fit: {f['cores']} core(s) x {f['core_gbps']} GB/s, rank dispatch "
+              f"{f['rank_dispatch_us']} us, completion notice {f['completion_notice_us']} us, "
+              f"coordinator message {f['coordinator_message_us']} us, oracle "
+              f"{f['oracle_core_gbps']} GB/s per core")
         if result.get("report"):
             print(f"wrote {result['report']}")
         if result["profile_written"]:

@@ -46,6 +46,7 @@ from ..pd.ops import (
     outcome_to_wire,
     reply_value_to_wire,
 )
+from ..pd.cpu import RankCpu, oracle_bytes
 from ..pd.rank import RankExecutor
 from ..transport.base import TransportError
 from .side_channel import Channel, ChannelClosed, ProtocolError, fields
@@ -252,6 +253,7 @@ class RankProcess:
         self.transport: Any = None
         self.epoch = time.time()
         self._transports_seen: list[str] = []
+        self.cpu = RankCpu()  # CPU per operation kind and inside post calls (pd/cpu.py)
 
     @property
     def worker(self) -> Any:
@@ -372,6 +374,7 @@ class RankProcess:
                              settings=connector_settings(scenario, role),
                              device_id=f["device_id"])
         worker.register(mem_type=f["mem_type"])
+        self._time_posts()
         if f["precommit"] and worker.memory.mem_type == "DRAM":
             # commit every page now (as a real, preallocated cache is): a page first touched
             # inside a cma READ costs a fault there, 8x slower on the 2-core VM
@@ -386,6 +389,20 @@ class RankProcess:
         if implementation is not None:
             ready["implementation"] = dict(implementation)
         return ready
+
+    def _time_posts(self) -> None:
+        """Add the CPU of every post call of this rank's NIXL agent to ``self.cpu`` (on UCX cma
+        the copy runs inside it)."""
+        post = self.transport.transfer
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.process_time()
+            try:
+                return post(*args, **kwargs)
+            finally:
+                self.cpu.add_post(time.process_time() - started)
+
+        self.transport.transfer = timed
 
     def _vllm_worker_factory(self, scenario: Any, f: dict[str, Any]
                              ) -> tuple[Callable[..., Any], dict[str, str]]:
@@ -474,7 +491,13 @@ class RankProcess:
                 return
             rank_op = op_from_wire(message)
             assert self.executor is not None
+            started = time.process_time()
             value = self.executor.execute(rank_op)
+            blocks = getattr(rank_op, "blocks", None)
+            self.cpu.add_op(type(rank_op).__name__, time.process_time() - started,
+                            oracle_bytes(self.worker.layout, blocks)
+                            if self.executor.oracle is not None
+                            and isinstance(rank_op, (OracleWrite, Verify)) else 0)
             self.chan.send({"op": "reply", "seq": seq, "ok": True,
                             "value": reply_value_to_wire(rank_op, value)})
         except TransportError as exc:
@@ -491,7 +514,8 @@ class RankProcess:
         return {"open_handles": int(self.transport.open_handles()),
                 "in_flight": int(self.worker.in_flight()),
                 "pending_releases": int(self.worker.pending_releases()),
-                "notification_failures": int(self.worker.notification_failures)}
+                "notification_failures": int(self.worker.notification_failures),
+                "cpu": self.cpu.to_wire()}
 
     def _cmd_clock(self, message: dict[str, Any]) -> dict[str, Any]:
         """The run starts now: telemetry times count from ``epoch`` (wall clock)."""

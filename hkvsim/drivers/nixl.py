@@ -61,6 +61,7 @@ from ..backends.side_channel import (
     read_message,
 )
 from ..faults import FaultPlan
+from ..pd.cpu import merge_rank_cpu
 from ..pd.coordinator import Call, Coordinator, Posting
 from .base import CoordinatorLoop
 from ..pd.deployment import build_deployment
@@ -648,6 +649,7 @@ class NixlDriver:
             self.loop.later(lambda: self.coord.on_replies([reply], self._now()))
             return
         self._calls[call.call_id] = (r, call.op)
+        self._calls_sent += 1
         self._send(r, {**op_to_wire(call.op), "seq": call.call_id})
 
     def _arm_timer(self) -> None:
@@ -722,6 +724,8 @@ class NixlDriver:
         for f in self._kills:
             if f.request is None and f.at_seconds is not None:
                 self._spawn(self._kill_at(f))
+        self._calls_sent = 0
+        cpu_start = time.process_time()  # the coordinator's CPU (this process) during the run
         self._deliver(lambda: self.coord.start(self._now()))
         last_arrival = max((r.arrival for r in self.coord.records), default=0.0)
         deadline = self._now() + self._run_budget(last_arrival)
@@ -738,6 +742,8 @@ class NixlDriver:
             why = self._failure or f"the run did not finish within {deadline:.0f} s"
             self.coord.give_up("stall" if self._failure is None else "remote_disconnect", why)
         await self._drain_leases()
+        coordinator_cpu = {"calls": self._calls_sent,
+                           "cpu_seconds": time.process_time() - cpu_start}
         stats = await self._stats()
         counters = dict(self.coord.counters)
         counters["notification_failures"] += sum(s.get("notification_failures", 0)
@@ -761,7 +767,9 @@ class NixlDriver:
                          handshake_errors=self.coord.handshake_errors, leaks=leaks,
                          counters=counters, sim_seconds=self.coord.makespan(), layouts=layouts,
                          warnings=self.coord.warnings(), verified=self.verify, backend="nixl",
-                         link_segments=[], implementation=self._implementation())
+                         link_segments=[], implementation=self._implementation(),
+                         rank_cpu={**merge_rank_cpu([s["cpu"] for s in stats if "cpu" in s]),
+                                   "coordinator": coordinator_cpu})
 
     def _implementation(self) -> dict[str, str]:
         """The connector the ranks ran when not hkvsim's core (vLLM: its name and the version

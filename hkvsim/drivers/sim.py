@@ -28,8 +28,10 @@ from ..faults import FaultPlan
 from ..oracle import OUTSIDE_BLOCKS, Oracle, blocks_touched
 from ..pd.coordinator import Call, Coordinator
 from .base import CoordinatorLoop
+from ..pd.cpu import oracle_bytes
 from ..pd.deployment import build_deployment
-from ..pd.ops import Connect, ConnectNotifyOnly, Died, RankError, RankId, Reply, StartRead, StartWrite
+from ..pd.ops import (Connect, ConnectNotifyOnly, Died, OracleWrite, RankError, RankId, Reply,
+                      StartRead, StartWrite, Verify)
 from ..pd.pool import FREE_BLOCK
 from ..pd.rank import RankExecutor
 from ..pd.records import RankSetupError, RequestRecord, RunResult
@@ -76,6 +78,9 @@ class SimDriver:
         specs = [(e.engine_id, e.role, e.tp) for e in self.dep.all_engines()]
         self.fabric = Fabric(self.env, profile, place_engines(profile, specs))
         self.world = SimWorld(self.env, self.fabric, move_bytes=self.verify)
+        # bytes/s of oracle work per core when it is modelled (verified runs, host path)
+        self._oracle_rate = (profile.oracle_core_bandwidth
+                             if self.verify and profile.host_cores is not None else None)
         faults = None
         if scenario.faults:
             faults = FaultPlan(scenario.faults, seed=scenario.scenario.seed,
@@ -116,6 +121,12 @@ class SimDriver:
                 self.world.on_activity(transport.name, lambda rank=rank: self._on_activity(rank))
         self.world.landing_guard = self._on_landing
         self.world.on_death = self._on_death
+        # host path with the peers' poll periods: when each rank was last woken by a message
+        # from the coordinator (its loop calls into NIXL then, and every poll period after)
+        self._woken: dict[RankId, float] | None = None
+        if profile.peer_poll_idle and profile.host_cores is not None:
+            self._woken = dict.fromkeys(self.ranks, 0.0)
+            self.world.peer_progress = self._peer_progress
         self.loop = CoordinatorLoop(self.coord, self._carry_out, self._after_input)
         self._timer_at: float | None = None
         self._timer_gen = 0
@@ -149,8 +160,14 @@ class SimDriver:
         for effect in effects:
             if not isinstance(effect, Call):
                 continue  # Posting: the simulator injects its faults inside the transport
+            if self.profile.coordinator_call and self.profile.host_cores is not None:
+                self.env.process(self._after_coordinator_work(effect))
+                continue
             if isinstance(effect.op, (Connect, ConnectNotifyOnly)):
                 self.env.process(self._after_handshake_latency(effect))
+                continue
+            if self._oracle_rate and isinstance(effect.op, (OracleWrite, Verify)):
+                self.env.process(self._after_oracle_work(effect))
                 continue
             replies.append(self._execute(effect))
         if replies:
@@ -159,7 +176,29 @@ class SimDriver:
     def _after_input(self) -> None:
         self._arm_timer()
 
+    def _peer_progress(self, agent: str, after: float) -> float:
+        """When the rank of ``agent`` is expected to have called into NIXL at or after
+        ``after``, as known now: when a message from the coordinator woke it after ``after``;
+        otherwise at its loop's next poll, every ``peer_poll_busy`` with transfers in flight and
+        ``peer_poll_idle`` otherwise, at an unknown phase: the poll falls uniformly in
+        [after, after + period], and the expected time of max(now, that poll) is returned (an
+        expected value, not a draw: runs stay deterministic and free of a phase grid)."""
+        assert self._woken is not None
+        rank = self._agent_rank[agent]
+        if self._woken[rank] > after:  # woken after the post: it progressed then
+            return self._woken[rank]
+        period = (self.profile.peer_poll_busy if self.ranks[rank].busy()
+                  else self.profile.peer_poll_idle)
+        now, end = self.env.now, after + period
+        if now <= after:
+            return after + period / 2
+        if now >= end:
+            return now
+        return now + (end - now) ** 2 / (2 * period)
+
     def _execute(self, call: Call) -> Reply:
+        if self._woken is not None:
+            self._woken[call.rank] = self.env.now
         op = call.op
         owner = op.request if isinstance(op, (StartRead, StartWrite)) else None
         self.world.post_owner = owner
@@ -169,6 +208,29 @@ class SimDriver:
             return Reply(call.call_id, error=RankError(exc.kind, str(exc)))
         finally:
             self.world.post_owner = None
+
+    def _after_coordinator_work(self, call: Call) -> Any:
+        """Host path with the coordinator's CPU modelled: the call reaches its rank once the
+        coordinator has spent its CPU on it (after its earlier calls), then runs as usual."""
+        yield self.fabric.coordinator_work(self.profile.coordinator_call)
+        if isinstance(call.op, (Connect, ConnectNotifyOnly)):
+            self.env.process(self._after_handshake_latency(call))
+        elif self._oracle_rate and isinstance(call.op, (OracleWrite, Verify)):
+            self.env.process(self._after_oracle_work(call))
+        else:
+            reply = self._execute(call)
+            self._deliver(lambda: self.coord.on_replies([reply], self.env.now))
+
+    def _after_oracle_work(self, call: Call) -> Any:
+        """A verified run on a host-path profile: the oracle's fill or check is CPU work on the
+        rank's thread and a core of its node (it runs now; its reply waits for the work)."""
+        reply = self._execute(call)
+        layout = self.ranks[call.rank].worker.layout
+        yield self.fabric.cpu_work(call.rank, oracle_bytes(layout, call.op.blocks)
+                                   / self._oracle_rate)
+        if self._woken is not None:  # its loop (and its NIXL polls) resume after the work
+            self._woken[call.rank] = self.env.now
+        self._deliver(lambda: self.coord.on_replies([reply], self.env.now))
 
     def _after_handshake_latency(self, call: Call) -> Any:
         """A handshake costs the metadata fetches from every remote rank it contacts."""

@@ -16,6 +16,15 @@ Model of one ``Fabric.transfer``:
    to the link seen first, flows in start order), freeze its flows at that share and remove the
    share from every link they cross. Rates are recomputed whenever a flow starts or ends, after
    the remaining bytes of every active flow have been advanced at the old rates.
+   **Host path** (a profile with ``host_copy_cores``, DRAM over UCX cma): the initiating rank's
+   own thread copies the bytes inside its post and poll calls, so the copy is CPU work, not a
+   flow. Each node has a FIFO pool of ``host_copy_cores`` cores shared by all its ranks; a
+   transfer waits for its rank's thread, then for a core of its node, and holds both for
+   ``rank_dispatch`` (the rank's work before the post), the post, and ``nbytes /
+   host_copy_core_bandwidth`` (the copy). Concurrent transfers of the node beyond its cores queue
+   for one, which is what the ranks of a request see on a machine with fewer cores than ranks.
+   With ``peer_poll_*`` the transfer then completes no earlier than the remote agent's first
+   NIXL poll since the post (``peer_progress``, given by the transport).
 3. **Latency.** ``done = wire_end + path latency`` (0 for a same-endpoint copy,
    ``intra_node_latency`` within a node, ``inter_node_latency`` across nodes) ``+ the profile's
    completion overhead`` (0 unless the profile models it). Paths, including the shared per-node
@@ -34,7 +43,7 @@ iteration is over insertion-ordered dicts.
 from __future__ import annotations
 
 import operator
-from collections.abc import Generator, Hashable, Mapping
+from collections.abc import Callable, Generator, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -170,6 +179,8 @@ class Fabric:
         self._routes: dict[tuple[Hashable, Hashable], tuple[tuple[_Link, ...], float]] = {}
         self._latencies: dict[tuple[Hashable, Hashable], float] = {}
         self._posting: dict[Endpoint, simpy.Resource] = {}
+        self._cores: dict[int, simpy.Resource] = {}  # host path: each node's CPU cores
+        self._coordinator: simpy.Resource | None = None  # the coordinator's thread
         self._fid = 0
         self._nflows = 0
         self._last_update = env.now
@@ -236,8 +247,12 @@ class Fabric:
         dst: Hashable,
         nbytes: int,
         descriptors: int,
+        peer_progress: Callable[[float], float] | None = None,
     ) -> simpy.Event:
         """Post and move ``nbytes`` from ``src`` to ``dst``; the initiator's CPU posts it.
+
+        ``peer_progress(t)`` (host path only): when the remote agent first progresses at or
+        after time ``t``; the transfer completes no earlier than that after its post started.
 
         Returns an event that succeeds with a :class:`TransferTiming` once the data has fully
         arrived at ``dst``. ``nbytes == 0`` costs the post and the path latency only.
@@ -248,6 +263,9 @@ class Fabric:
             raise FabricError(f"nbytes = {n} with descriptors = 0: bytes need a descriptor")
         poster = self.endpoint(initiator)
         links, latency = self._route(src, dst)
+        if self.profile.host_cores is not None:
+            return self.env.process(self._host_transfer(poster, links, latency, n, d,
+                                                        peer_progress))
         return self.env.process(self._transfer(poster, links, latency, n, d))
 
     def notify(self, src: Hashable, dst: Hashable) -> simpy.Event:
@@ -255,6 +273,40 @@ class Fabric:
         (path latency + ``notification_latency``). Its value is the arrival time."""
         delay = self.path_latency(src, dst) + self.profile.notification_latency
         return self.env.timeout(delay, value=self.env.now + delay)
+
+    def cpu_work(self, at: Hashable, seconds: float) -> simpy.Event:
+        """An event that succeeds once ``seconds`` of CPU work started now by the rank at ``at``
+        has run on its thread and a core of its node (host-path profiles: it queues for both
+        like a transfer; otherwise a plain delay)."""
+        if self.profile.host_cores is None:
+            return self.env.timeout(seconds)
+        return self.env.process(self._on_a_core(self.endpoint(at), seconds))
+
+    def coordinator_work(self, seconds: float) -> simpy.Event:
+        """An event that succeeds once ``seconds`` of the coordinator's CPU work, started now,
+        has run: on the coordinator's one thread, after its earlier work, and (host path) on a
+        core of node 0, where the coordinator process runs."""
+        if self._coordinator is None:
+            self._coordinator = simpy.Resource(self.env, capacity=1)
+        return self.env.process(self._coordinator_work(seconds))
+
+    def _coordinator_work(self, seconds: float) -> Generator[simpy.Event, Any, None]:
+        assert self._coordinator is not None
+        with self._coordinator.request() as thread:
+            yield thread
+            if self.profile.host_cores is None:
+                yield self.env.timeout(seconds)
+                return
+            with self._node_cores(0).request() as core:
+                yield core
+                yield self.env.timeout(seconds)
+
+    def _on_a_core(self, ep: Endpoint, seconds: float) -> Generator[simpy.Event, Any, None]:
+        with self._poster(ep).request() as thread:  # the rank's one thread does it
+            yield thread
+            with self._node_cores(ep.node).request() as core:
+                yield core
+                yield self.env.timeout(seconds)
 
     def handshake(self, src: Hashable, dst: Hashable) -> simpy.Event:
         """An event that succeeds when a handshake started now between ``src`` and ``dst``
@@ -284,6 +336,75 @@ class Fabric:
         if res is None:
             res = self._posting[ep] = simpy.Resource(self.env, capacity=1)
         return res
+
+    def _node_cores(self, node: int) -> simpy.Resource:
+        res = self._cores.get(node)
+        if res is None:
+            cores = self.profile.host_cores
+            assert cores is not None
+            res = self._cores[node] = simpy.Resource(self.env, capacity=cores)
+        return res
+
+    def _route_latency(self, links: tuple[_Link, ...], latency: float) -> float:
+        """The path latency alone (``latency`` less the profile's completion overhead)."""
+        return max(latency - self.profile.completion_overhead, 0.0)
+
+    def _host_transfer(
+        self,
+        poster: Endpoint,
+        links: tuple[_Link, ...],
+        latency: float,
+        nbytes: int,
+        descriptors: int,
+        peer_progress: Callable[[float], float] | None = None,
+    ) -> Generator[simpy.Event, Any, TransferTiming]:
+        """A host-path transfer: dispatch, post and copy on one core of the initiator's node,
+        after the rank's thread and a core are free; then (with ``peer_progress``) the wait for
+        the remote agent to progress (module docstring)."""
+        env, p = self.env, self.profile
+        submitted = env.now
+        with self._poster(poster).request() as req:
+            yield req
+            with self._node_cores(poster.node).request() as core:
+                yield core
+                if p.rank_dispatch:
+                    yield env.timeout(p.rank_dispatch)
+                post_start = env.now
+                yield env.timeout(p.post_time(descriptors))
+                post_end = wire_start = env.now
+                if nbytes > 0:
+                    assert p.host_copy_core_bandwidth is not None
+                    yield env.timeout(nbytes / p.host_copy_core_bandwidth)
+                wire_end = env.now
+        if peer_progress is not None:
+            progressed = peer_progress(post_start)
+            if progressed > env.now:
+                yield env.timeout(progressed - env.now)
+        yield env.timeout(self._route_latency(links, latency))
+        # the rank's poll loop notices the completion (on the rank's one thread, after the posts
+        # queued on it) and the coordinator takes the message: CPU work too, queued behind
+        # whatever holds the node's cores
+        if p.completion_notice:
+            with self._poster(poster).request() as req:
+                yield req
+                with self._node_cores(poster.node).request() as core:
+                    yield core
+                    yield env.timeout(p.completion_notice)
+        if p.coordinator_message:
+            with self._node_cores(poster.node).request() as core:
+                yield core
+                yield env.timeout(p.coordinator_message)
+        return TransferTiming(
+            submitted=submitted,
+            post_start=post_start,
+            post_end=post_end,
+            wire_start=wire_start,
+            wire_end=wire_end,
+            done=env.now,
+            nbytes=nbytes,
+            descriptors=descriptors,
+            path=tuple(link.name for link in links),
+        )
 
     def _transfer(
         self,

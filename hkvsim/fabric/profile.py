@@ -15,11 +15,30 @@ any problem raises :class:`ProfileError` naming the file, the key, the value and
 
 Optional host-path keys (absent = not modelled; the GPU profiles leave them out):
 
-* ``host_copy_cores`` and ``host_copy_core_gbps`` (both or neither; DRAM profiles only): the
-  copies of a host path (UCX cma, memcpy) run on the node's CPU cores, so every flow touching a
-  node also crosses one shared link ``n<node>.cpu`` of capacity ``cores x per-core rate``, and
-  max-min fair sharing divides the node's copy capacity among all concurrent transfers of all
-  its ranks (see :func:`hkvsim.fabric.topology.route`).
+* ``host_copy_cores`` and ``host_copy_core_gbps`` (both or neither; DRAM profiles only): on a
+  host path (UCX cma, memcpy) the initiating rank's own thread does the copy, inside its post
+  and poll calls, on one of the node's CPU cores, and every rank process of the node competes
+  for those cores. A transfer then holds one core of its initiator's node (a FIFO pool of
+  ``host_copy_cores``, first come first served) for its dispatch, its post and its copy
+  (``nbytes / host_copy_core_gbps``); it crosses no fair-shared link (see
+  :class:`hkvsim.fabric.links.Fabric`).
+* ``rank_dispatch_us`` (only with ``host_copy_cores``): the CPU time a rank spends on a transfer
+  before posting it (taking the coordinator's order, planning descriptors, preparing the
+  request), on the core it then posts and copies from. Absent = 0.
+* ``peer_poll_idle_us`` and ``peer_poll_busy_us`` (both or neither, only with
+  ``host_copy_cores``): on UCX cma a posted transfer completes only once the remote agent's
+  worker has progressed since the post (the remote rank's next call into NIXL). A rank process
+  calls into NIXL whenever a message from the coordinator wakes it and otherwise every
+  ``peer_poll_busy_us`` while it has transfers in flight, every ``peer_poll_idle_us`` when not
+  (the rank loop's select timeouts). Absent = the remote's progress is not waited for.
+* ``coordinator_call_us`` (only with ``host_copy_cores``): the coordinator's CPU per operation
+  it sends a rank (deciding it, encoding it, writing it to the rank's socket), on the
+  coordinator's one thread and a core of node 0: a request's calls reach its ranks one after
+  another. Absent = 0.
+* ``oracle_core_gbps`` (only with ``host_copy_cores``): what one core fills or checks with the
+  byte oracle of a verified run (the prefill rank writing a request's pattern, the decode rank
+  checking it): that work holds a core of the rank's node too. Measured by ``hkvsim calibrate
+  --host``; absent = the oracle costs no simulated time.
 * ``completion_notice_us``: from a transfer's data landing to the rank's poll loop noticing it
   (the loop sleeps between NIXL polls).
 * ``coordinator_message_us``: the rank's completion message to the coordinator (one local
@@ -120,6 +139,11 @@ _SCHEMA: Final[tuple[_Field, ...]] = (
     _Field("transport", "transport", "str"),
     _Field("host_copy_cores", "host_copy_cores", "int", optional=True),
     _Field("host_copy_core_bandwidth", "host_copy_core_gbps", "float", "gbps", optional=True),
+    _Field("rank_dispatch", "rank_dispatch_us", "float", "us", optional=True),
+    _Field("coordinator_call", "coordinator_call_us", "float", "us", optional=True),
+    _Field("oracle_core_bandwidth", "oracle_core_gbps", "float", "gbps", optional=True),
+    _Field("peer_poll_idle", "peer_poll_idle_us", "float", "us", optional=True),
+    _Field("peer_poll_busy", "peer_poll_busy_us", "float", "us", optional=True),
     _Field("completion_notice", "completion_notice_us", "float", "us", optional=True),
     _Field("coordinator_message", "coordinator_message_us", "float", "us", optional=True),
 )
@@ -193,6 +217,11 @@ class FabricProfile:
     # Host-path model (optional; None / 0.0 = not modelled), see the module docstring.
     host_copy_cores: int | None = None  # CPU cores of a node that do the copies
     host_copy_core_bandwidth: float | None = None  # bytes/s one core copies
+    rank_dispatch: float = 0.0  # seconds of a rank's CPU per transfer before its post (host path)
+    coordinator_call: float = 0.0  # seconds of the coordinator's CPU per call it sends (host path)
+    oracle_core_bandwidth: float | None = None  # bytes/s one core fills or checks (host path)
+    peer_poll_idle: float = 0.0  # seconds between a remote rank's NIXL polls, idle (host path)
+    peer_poll_busy: float = 0.0  # ... and with transfers in flight
     completion_notice: float = 0.0  # seconds: the rank's poll loop noticing a completion
     coordinator_message: float = 0.0  # seconds: the rank's completion message to the coordinator
 
@@ -205,14 +234,14 @@ class FabricProfile:
             shown = spec.from_si(value) if spec.kind == "float" and _is_number(value) else value
             _check(spec, shown, f"FabricProfile {self.name!r}", "field for key")
         _check_host_copy(self.host_copy_cores, self.host_copy_core_bandwidth, self.memory,
-                         f"FabricProfile {self.name!r}")
+                         f"FabricProfile {self.name!r}", self.rank_dispatch,
+                         self.oracle_core_bandwidth, self.peer_poll_idle, self.peer_poll_busy,
+                         self.coordinator_call)
 
     @property
-    def host_copy_capacity(self) -> float | None:
-        """Bytes/s all the copy cores of one node move together (None: not modelled)."""
-        if self.host_copy_cores is None or self.host_copy_core_bandwidth is None:
-            return None
-        return self.host_copy_cores * self.host_copy_core_bandwidth
+    def host_cores(self) -> int | None:
+        """CPU cores per node that the host-path copies run on (None: not modelled)."""
+        return self.host_copy_cores if self.host_copy_core_bandwidth is not None else None
 
     @property
     def completion_overhead(self) -> float:
@@ -225,11 +254,24 @@ class FabricProfile:
         return self.transfer_launch + descriptors * self.per_descriptor
 
 
-def _check_host_copy(cores: Any, rate: Any, memory: str, where: str) -> None:
+def _check_host_copy(cores: Any, rate: Any, memory: str, where: str,
+                     dispatch: Any = None, oracle: Any = None, idle: Any = None,
+                     busy: Any = None, coordinator_call: Any = None) -> None:
+    if bool(idle) != bool(busy):
+        raise ProfileError(
+            f"{where}: 'peer_poll_idle_us' and 'peer_poll_busy_us' go together: give both (a "
+            "remote rank's NIXL poll periods) or neither")
+    for key, value in (("rank_dispatch_us", dispatch), ("oracle_core_gbps", oracle),
+                       ("peer_poll_idle_us", idle), ("coordinator_call_us", coordinator_call)):
+        if value and cores is None:
+            raise ProfileError(
+                f"{where}: {key!r} without 'host_copy_cores': it is CPU time on a node's core; "
+                "give the host copy model (host_copy_cores, host_copy_core_gbps) too or leave "
+                f"{key} out")
     if (cores is None) != (rate is None):
         raise ProfileError(
             f"{where}: 'host_copy_cores' and 'host_copy_core_gbps' go together: give both "
-            "(a shared per-node CPU copy link) or neither")
+            "(the node's CPU cores copy, one transfer per core) or neither")
     if cores is not None and memory != "DRAM":
         raise ProfileError(
             f"{where}: 'host_copy_cores' with memory = {memory!r}: the host copy model applies "
@@ -356,5 +398,7 @@ def load_profile(
         _check(spec, value, where, "override key" if spec.key in from_override else "key")
         values[spec.attr] = spec.to_si(value) if spec.kind == "float" else value
     _check_host_copy(values.get("host_copy_cores"), values.get("host_copy_core_bandwidth"),
-                     values["memory"], where)
+                     values["memory"], where, values.get("rank_dispatch"),
+                     values.get("oracle_core_bandwidth"), values.get("peer_poll_idle"),
+                     values.get("peer_poll_busy"), values.get("coordinator_call"))
     return FabricProfile(**values)

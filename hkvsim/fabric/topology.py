@@ -15,11 +15,9 @@ Nodes are unbounded: the cluster grows to fit the engines.
 * same node       -> ``<src>.nvl.tx``, ``<dst>.nvl.rx`` (``intra_node_bandwidth`` each)
 * different nodes -> ``<src>.nic.tx``, ``<dst>.nic.rx`` (``inter_node_bandwidth`` each)
 
-and, on a profile with a host copy model (``host_copy_cores``), also ``n<node>.cpu`` of every
-node the flow touches (capacity ``host_copy_cores x host_copy_core_gbps``): on DRAM over a host
-path the copy is done by the node's CPU cores, so all concurrent transfers of all ranks of a
-node share them. The per-endpoint links above then stand for what one transfer can do alone (one
-core copying), the ``cpu`` link for what the node's cores do together.
+On a profile with a host copy model (``host_copy_cores``) the copy is not a flow on these links
+but CPU work on a core of the initiator's node (:class:`hkvsim.fabric.links.Fabric`); the route
+still gives the path's latency and completion overhead.
 """
 
 from __future__ import annotations
@@ -72,9 +70,6 @@ def route(profile: FabricProfile, a: Endpoint, b: Endpoint) -> Route:
         else:
             bw, latency, port = p.inter_node_bandwidth, p.inter_node_latency, "nic"
         links = [(f"{a}.{port}.tx", bw), (f"{b}.{port}.rx", bw)]
-    cpu = p.host_copy_capacity
-    if cpu is not None:
-        links.extend((f"n{node}.cpu", cpu) for node in dict.fromkeys((a.node, b.node)))
     return Route(tuple(links), latency, p.completion_overhead)
 
 

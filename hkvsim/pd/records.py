@@ -82,6 +82,9 @@ class RunResult:
     backend: str = "sim"  # "sim": sim_seconds is simulated time; any other: wall-clock time
     # whose connector ran, when not hkvsim's own: {"name": "vllm", "version": "0.33.0"}
     implementation: dict[str, str] = field(default_factory=dict)
+    # real backends: the ranks' CPU per operation kind and inside post calls, summed
+    # (hkvsim/pd/cpu.py; empty on the simulator)
+    rank_cpu: dict[str, Any] = field(default_factory=dict)
 
     @property
     def hung(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import count
 from typing import Any
 
@@ -121,6 +122,9 @@ class SimWorld:
         self.post_owner: Any = None
         self.on_death: Callable[[str], None] | None = None  # called with the agent that died
         self.landing_guard: Callable[..., bool] | None = None
+        # peer_progress(agent, t): when ``agent`` first calls into NIXL at or after time t (the
+        # driver knows its rank's loop); None: completions do not wait for the remote
+        self.peer_progress: Callable[[str, float], float] | None = None
 
     def create_agent(self, name: str, endpoint: Hashable) -> "SimTransport":
         if name in self._agents:
@@ -178,6 +182,18 @@ class SimWorld:
         target = self._agents.get(dst)
         if target is None or not target.alive:
             return
+        if self.peer_progress is not None:  # seen at the receiving rank's next NIXL poll
+            seen = self.peer_progress(dst, self.env.now)
+            if seen > self.env.now:
+                self.env.timeout(seen - self.env.now).callbacks.append(
+                    lambda _: self._take(target, src, message))
+                return
+        self._take(target, src, message)
+
+    def _take(self, target: _Agent, src: str, message: bytes) -> None:
+        if not target.alive:
+            return
+        dst = target.name
         target.inbox.setdefault(src, []).append(message)
         self._wake(dst)
 
@@ -420,9 +436,11 @@ class SimTransport:
                                               f"{fault.seconds:g} s"))
             return PROC
         wire_bytes = x.nbytes * (fault.factor if fault is not None and fault.kind == "slow" else 1)
-        event = world.fabric.transfer(initiator=me.endpoint, src=src.endpoint,
-                                      dst=dst.endpoint, nbytes=int(wire_bytes),
-                                      descriptors=x.coalesced)
+        progress = world.peer_progress
+        event = world.fabric.transfer(
+            initiator=me.endpoint, src=src.endpoint, dst=dst.endpoint, nbytes=int(wire_bytes),
+            descriptors=x.coalesced,
+            peer_progress=None if progress is None else partial(progress, x.remote.agent))
         if fault is not None and fault.kind == "fail":
             event.callbacks.append(lambda ev, x=x: self._fail(
                 x, "injected transfer failure (state ERR)", timing=ev.value))

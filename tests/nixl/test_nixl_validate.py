@@ -21,6 +21,15 @@ def test_one_held_out_file_on_both_backends(nixl_required: None) -> None:
     # the simulator and NIXL's telemetry count the same descriptors, before and after coalescing
     assert r.descriptors_posted[0] == r.descriptors_posted[1]
     assert r.descriptors_coalesced[0] == r.descriptors_coalesced[1] is not None
+    # the rank processes and the coordinator counted their CPU (what calibrate --host measures)
+    ops = r.rank_cpu["by_op"]
+    requests = 8  # the file's requests; one decode rank, one prefill rank
+    assert ops["StartRead"][0] == requests and ops["OracleWrite"][0] == requests
+    assert ops["Verify"][0] == requests and ops["Verify"][2] > 0 and ops["StartRead"][2] == 0
+    assert r.rank_cpu["posts"] == r.transfers == requests  # one READ per request
+    assert 0 < r.rank_cpu["post_cpu_seconds"] < ops["StartRead"][1]  # posts run inside it
+    assert r.rank_cpu["coordinator"]["calls"] >= 3 * requests
+    assert r.rank_cpu["coordinator"]["cpu_seconds"] > 0
 
 
 def test_coalescing_model_matches_nixl_on_the_lists_really_posted(nixl_required: None) -> None:

@@ -1,0 +1,97 @@
+"""CPU a rank process spends, per kind of operation: what the host-path model of a DRAM profile
+charges to a node's cores (hkvsim/fabric/links.py), measured where it is spent.
+
+A real rank (hkvsim/backends/rank.py) adds up, per operation kind, how many it carried out, the
+CPU seconds they took (``time.process_time``: this process's CPU, not the wall clock, so time
+spent waiting for a core is not counted) and the bytes its oracle touched; and, separately, the
+CPU spent inside the transport's post calls (which, on UCX cma, include the copy). From these,
+``hkvsim calibrate --host`` reads what one core fills or checks with the oracle and what a rank
+spends on a transfer before posting it, instead of fitting them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["OpCpu", "RankCpu", "oracle_bytes", "merge_rank_cpu"]
+
+
+def oracle_bytes(layout: Any, blocks: Mapping[int, Any]) -> int:
+    """Bytes of a rank's cache the oracle touches for ``blocks`` (group id -> logical block
+    ids): every layer of each group, a whole page per block (an estimate of its work)."""
+    total = 0
+    for group in layout.groups:
+        ids = blocks.get(group.group_id)
+        if ids is None:
+            continue
+        page = (layout.attention_page_bytes * layout.physical_blocks_per_logical
+                if group.kind == "attention" else layout.state_page_bytes)
+        total += len(ids) * len(group.layers) * page
+    return total
+
+
+@dataclass
+class OpCpu:
+    """One operation kind on one rank: how many, CPU seconds, oracle bytes."""
+
+    ops: int = 0
+    cpu_seconds: float = 0.0
+    oracle_bytes: int = 0
+
+
+@dataclass
+class RankCpu:
+    """Everything one rank process adds up (module docstring)."""
+
+    by_op: dict[str, OpCpu] = field(default_factory=dict)
+    posts: int = 0  # transport post calls
+    post_cpu_seconds: float = 0.0  # CPU inside them
+
+    def add_op(self, name: str, cpu_seconds: float, oracle: int = 0) -> None:
+        entry = self.by_op.setdefault(name, OpCpu())
+        entry.ops += 1
+        entry.cpu_seconds += cpu_seconds
+        entry.oracle_bytes += oracle
+
+    def add_post(self, cpu_seconds: float) -> None:
+        self.posts += 1
+        self.post_cpu_seconds += cpu_seconds
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"by_op": {k: [v.ops, v.cpu_seconds, v.oracle_bytes]
+                          for k, v in sorted(self.by_op.items())},
+                "posts": self.posts, "post_cpu_seconds": self.post_cpu_seconds}
+
+
+def merge_rank_cpu(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The sum of several :meth:`RankCpu.to_wire` dicts (ranks of a run, or runs), in the same
+    form, with their ``coordinator`` entries ({"calls", "cpu_seconds"}: the coordinator's CPU
+    over a run, added by the real driver) summed too when present; malformed parts raise
+    ValueError naming what was wrong."""
+    by_op: dict[str, list[float]] = {}
+    posts, post_cpu = 0, 0.0
+    calls, coordinator_cpu, with_coordinator = 0, 0.0, False
+    for part in parts:
+        try:
+            if "coordinator" in part:
+                with_coordinator = True
+                calls += int(part["coordinator"]["calls"])
+                coordinator_cpu += float(part["coordinator"]["cpu_seconds"])
+            for name, (ops, cpu, nbytes) in part["by_op"].items():
+                acc = by_op.setdefault(str(name), [0, 0.0, 0])
+                acc[0] += int(ops)
+                acc[1] += float(cpu)
+                acc[2] += int(nbytes)
+            posts += int(part["posts"])
+            post_cpu += float(part["post_cpu_seconds"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"rank CPU record {part!r}: {exc}; allowed: {{'by_op': {{name: "
+                             "[ops, cpu_seconds, oracle_bytes]}, 'posts': int, "
+                             "'post_cpu_seconds': float}") from None
+    out: dict[str, Any] = {"by_op": {k: by_op[k] for k in sorted(by_op)}, "posts": posts,
+                           "post_cpu_seconds": post_cpu}
+    if with_coordinator:
+        out["coordinator"] = {"calls": calls, "cpu_seconds": coordinator_cpu}
+    return out

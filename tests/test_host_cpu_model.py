@@ -1,0 +1,214 @@
+"""The host-path model's process behaviour (hkvsim/fabric/links.py, drivers/sim.py,
+transport/sim.py): a cma transfer completes once the remote rank has polled NIXL since the post,
+a notification is seen at the receiver's next poll, a rank's one thread notices completions
+after its other work, the coordinator's CPU serialises its calls; and the CPU accounting the
+real ranks report (hkvsim/pd/cpu.py) with what calibrate --host derives from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import simpy
+
+from hkvsim.fabric import Endpoint, Fabric, load_profile
+from hkvsim.pd.cpu import RankCpu, merge_rank_cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = "cpu-ucx-loopback"
+HOST = {"host_copy_cores": 2, "host_copy_core_gbps": 1.0}
+PEER = {"peer_poll_idle_us": 1000.0, "peer_poll_busy_us": 100.0}
+
+
+def _fabric(overrides: dict[str, Any], names: str = "abcd") -> tuple[simpy.Environment, Fabric]:
+    env = simpy.Environment()
+    p = load_profile(CPU, overrides=overrides)
+    return env, Fabric(env, p, {k: Endpoint(0, i) for i, k in enumerate(names)})
+
+
+# ---- the remote's progress -------------------------------------------------------------------
+@pytest.mark.parametrize("progress_at, waits", [(5e-3, True), (0.0, False)])
+def test_completion_waits_for_the_remote_to_progress(progress_at: float, waits: bool) -> None:
+    env, fabric = _fabric({**HOST, **PEER})
+    asked: list[float] = []
+
+    def peer(after: float) -> float:
+        asked.append(after)
+        return progress_at
+
+    ev = fabric.transfer(initiator="a", src="b", dst="a", nbytes=10**6, descriptors=1,
+                         peer_progress=peer)
+    env.run()
+    t = ev.value
+    assert asked == [t.post_start]  # progress counted from the post, asked once the copy ended
+    latency = fabric.profile.intra_node_latency
+    expected = (progress_at if waits else t.wire_end) + latency
+    assert t.done == pytest.approx(expected, rel=1e-9)
+    assert t.wire_end == pytest.approx(t.post_end + 1e-3, rel=1e-9)  # the copy itself: 1 MB / 1 GB/s
+
+
+def _driver(file: str, overrides: dict[str, Any]) -> Any:
+    from hkvsim.drivers.sim import SimDriver
+    from hkvsim.scenario import load_scenarios
+    from hkvsim.validate import with_profile
+
+    scenario = load_scenarios(ROOT / file)[0]
+    return SimDriver(with_profile(scenario, None, overrides))
+
+
+def test_peer_progress_is_the_expected_next_poll_of_the_remote_rank() -> None:
+    d = _driver("scenarios/validation/llama-pull-1to1-strided.toml", {**HOST, **PEER})
+    prefill = next(a for a, r in d._agent_rank.items() if r[0].startswith("prefill"))
+    rank = d._agent_rank[prefill]
+    idle = 1e-3
+    d._woken[rank] = 0.0
+    # now (0) before `after`: the poll falls uniformly in [after, after + period]
+    assert d._peer_progress(prefill, 2e-3) == pytest.approx(2e-3 + idle / 2)
+    # woken by a coordinator message at or after `after`: it progressed then
+    d._woken[rank] = 3e-3
+    assert d._peer_progress(prefill, 2e-3) == 3e-3
+    # asked later, within the window: E[max(now, U)] for U uniform on [after, after + period]
+    d._woken[rank] = 0.0
+    d.env.run(until=2.5e-3)
+    assert d._peer_progress(prefill, 2e-3) == pytest.approx(2.5e-3 + (0.5e-3) ** 2 / (2 * idle))
+    d.env.run(until=4e-3)  # past the window: it has polled by now
+    assert d._peer_progress(prefill, 2e-3) == pytest.approx(4e-3)
+
+
+def test_small_pulls_wait_for_the_idle_prefill_rank_large_ones_do_not() -> None:
+    """What real NIXL 1.5.1 shows on cma (reports/fidelity): a READ whose copy ends before the
+    idle prefill rank's next poll completes at that poll; one whose copy spans a poll does not
+    wait."""
+    from hkvsim.results import result_json
+
+    base = {**HOST, "host_copy_core_gbps": 5.0}
+    lags = []
+    for overrides in (base, {**base, **PEER}):
+        data = result_json(_driver("scenarios/validation/llama-pull-1to1-strided.toml",
+                                   overrides).run(), requests=True)
+        lags.append([t["transfer_seconds"] for r in data["request_details"]
+                     for t in r["telemetry"]])
+    without, with_peer = lags
+    nbytes = [t["nbytes"] for r in data["request_details"] for t in r["telemetry"]]
+    for before, after, n in zip(without, with_peer, nbytes):
+        copy = n / 5e9
+        assert before == pytest.approx(copy + 1e-7, rel=1e-6)
+        if copy < 0.3e-3:  # short copies: a wait for the prefill rank's poll, below 1 ms
+            assert copy + 50e-6 < after < copy + 1e-3 + 1e-7
+    assert sum(with_peer) > sum(without) + 0.5e-3
+
+
+def test_a_notification_is_seen_at_the_receivers_next_poll() -> None:
+    from hkvsim.transport.sim import SimWorld
+
+    env, fabric = _fabric({**HOST, **PEER})
+    world = SimWorld(env, fabric)
+    world.create_agent("a.0", "a")
+    world.create_agent("b.0", "b")
+    seen: list[float] = []
+    world.on_activity("b.0", lambda: seen.append(env.now))
+    world.peer_progress = lambda agent, after: after + 0.5e-3 if agent == "b.0" else after
+    world.send("a.0", "b.0", b"done")
+    env.run()
+    arrival = fabric.path_latency("a", "b") + fabric.profile.notification_latency
+    assert seen == [pytest.approx(arrival + 0.5e-3)]
+    world.peer_progress = None  # without the model: seen on arrival
+    seen.clear()
+    world.send("a.0", "b.0", b"again")
+    start = env.now
+    env.run()
+    assert seen == [pytest.approx(start + arrival)]
+
+
+# ---- one thread per rank, one for the coordinator --------------------------------------------
+def test_a_rank_notices_a_completion_after_its_queued_posts() -> None:
+    env, fabric = _fabric({**HOST, "completion_notice_us": 100.0})
+    first = fabric.transfer(initiator="a", src="a", dst="b", nbytes=10**6, descriptors=1)
+    second = fabric.transfer(initiator="a", src="a", dst="c", nbytes=10**7, descriptors=1)
+    env.run()
+    one, two = first.value, second.value
+    # two cores free, but one thread: the second post and copy run before the first notice
+    assert two.post_start == pytest.approx(one.wire_end)
+    assert one.done == pytest.approx(two.wire_end + 100e-6, rel=1e-9)
+
+
+def test_the_coordinators_work_is_serial() -> None:
+    env, fabric = _fabric({**HOST, "host_copy_cores": 4})
+    done = [fabric.coordinator_work(1e-3) for _ in range(3)]
+    env.run()
+    assert [e.processed for e in done] == [True] * 3
+    assert env.now == pytest.approx(3e-3)  # four cores, still one after the other
+
+
+def test_the_coordinator_reaches_a_requests_ranks_one_after_another() -> None:
+    from hkvsim.results import result_json
+
+    base = {**HOST, "host_copy_core_gbps": 5.0}
+    subs = []
+    for overrides in (base, {**base, "coordinator_call_us": 200.0}):
+        data = result_json(_driver("scenarios/validation/kl-pull-1to2-off.toml",
+                                   overrides).run(), requests=True)
+        assert data["outcome"] == "ok" and data["verification"] == "verified"
+        subs.append([sorted(t["submitted"] for t in r["telemetry"])
+                     for r in data["request_details"]])
+    plain, serial = subs
+    assert all(b - a == 0.0 for a, b in plain)  # both decode ranks start together
+    assert all(b - a >= 200e-6 - 1e-12 for a, b in serial)  # the second call came later
+
+
+def test_host_model_keys_are_checked() -> None:
+    from hkvsim.fabric import ProfileError
+
+    for overrides, fragment in (
+            ({"peer_poll_idle_us": 1000.0}, "go together"),
+            ({"peer_poll_idle_us": 1000.0, "peer_poll_busy_us": 100.0},
+             "'peer_poll_idle_us' without 'host_copy_cores'"),
+            ({"coordinator_call_us": 10.0}, "'coordinator_call_us' without 'host_copy_cores'")):
+        with pytest.raises(ProfileError, match=fragment):
+            load_profile(CPU, overrides=overrides)
+
+
+# ---- CPU accounting ----------------------------------------------------------------------------
+def test_rank_cpu_adds_up_per_operation_and_merges() -> None:
+    a, b = RankCpu(), RankCpu()
+    a.add_op("StartRead", 0.002)
+    a.add_op("Verify", 0.004, oracle=1000)
+    a.add_post(0.001)
+    b.add_op("StartRead", 0.001)
+    b.add_post(0.0005)
+    merged = merge_rank_cpu([a.to_wire(), b.to_wire(),
+                             {**RankCpu().to_wire(),
+                              "coordinator": {"calls": 4, "cpu_seconds": 0.002}}])
+    assert merged["by_op"]["StartRead"] == [2, pytest.approx(0.003), 0]
+    assert merged["by_op"]["Verify"] == [1, pytest.approx(0.004), 1000]
+    assert (merged["posts"], merged["post_cpu_seconds"]) == (2, pytest.approx(0.0015))
+    assert merged["coordinator"] == {"calls": 4, "cpu_seconds": pytest.approx(0.002)}
+    assert "coordinator" not in merge_rank_cpu([a.to_wire()])
+    with pytest.raises(ValueError, match="rank CPU record .*allowed"):
+        merge_rank_cpu([{"by_op": {"StartRead": [1, 0.1]}, "posts": 1, "post_cpu_seconds": 0}])
+
+
+def test_calibration_derives_dispatch_oracle_and_coordinator_from_the_real_ranks() -> None:
+    from hkvsim.validate import FileResult, ValidationError
+    from hkvsim.validate_fit import measured_cpu
+
+    def result(rank_cpu: dict[str, Any]) -> FileResult:
+        return FileResult(file="f", scenario="s", profile=CPU, sim_seconds=1e-3,
+                          real_seconds=(1e-3,), loads=(0.1,), descriptors_posted=(1, 1),
+                          descriptors_coalesced=(1, 1), outcomes=("ok", "ok"),
+                          rank_cpu=rank_cpu)
+
+    one = {"by_op": {"StartRead": [10, 0.010, 0], "StartWrite": [2, 0.004, 0],
+                     "OracleWrite": [5, 0.002, 4_000_000], "Verify": [5, 0.002, 4_000_000],
+                     "Connect": [1, 0.5, 0]},
+           "posts": 20, "post_cpu_seconds": 0.006,
+           "coordinator": {"calls": 50, "cpu_seconds": 0.010}}
+    cpu = measured_cpu([result(one), result(one)])
+    assert cpu["rank_dispatch_us"] == pytest.approx((0.028 - 0.012) / 40 * 1e6)  # 400 us
+    assert cpu["oracle_core_gbps"] == pytest.approx(16e6 / 0.008 / 1e9)  # 2 GB/s
+    assert cpu["coordinator_call_us"] == pytest.approx(0.020 / 100 * 1e6)  # 200 us
+    timing_only = {**one, "by_op": {"StartRead": [10, 0.010, 0]}}
+    assert measured_cpu([result(timing_only)])["oracle_core_gbps"] is None
+    with pytest.raises(ValidationError, match="no post calls"):
+        measured_cpu([result({"by_op": {}, "posts": 0, "post_cpu_seconds": 0.0})])
