@@ -133,6 +133,17 @@ def test_a_rank_notices_a_completion_after_its_queued_posts() -> None:
     assert one.done == pytest.approx(two.wire_end + 100e-6, rel=1e-9)
 
 
+def test_oracle_work_holds_the_ranks_thread() -> None:
+    env, fabric = _fabric({**HOST, "host_copy_cores": 4})
+    work = fabric.cpu_work("a", 1e-3)  # e.g. the oracle checking the previous request
+    ev = fabric.transfer(initiator="a", src="a", dst="b", nbytes=10**6, descriptors=1)
+    other = fabric.transfer(initiator="c", src="c", dst="d", nbytes=10**6, descriptors=1)
+    env.run()
+    assert work.processed
+    assert ev.value.post_start == pytest.approx(1e-3)  # free cores, but a's thread was busy
+    assert other.value.post_start == 0.0
+
+
 def test_the_coordinators_work_is_serial() -> None:
     env, fabric = _fabric({**HOST, "host_copy_cores": 4})
     done = [fabric.coordinator_work(1e-3) for _ in range(3)]
