@@ -331,7 +331,8 @@ def markdown(results: Sequence[FileResult], meta: dict[str, Any]) -> str:
         "transfer times of its critical transfer (NIXL telemetry on the real backend) do not "
         "cover: on the simulator the notification (push) or path latency; on the real backend "
         "also the rank's poll loop seeing completion, its message to the coordinator and "
-        "process scheduling on a shared machine, which the simulator does not model.",
+        "process scheduling on a shared machine, which the simulator models only with a "
+        "profile that carries the host-path model (`hkvsim calibrate --host`).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -345,8 +345,8 @@ class Fabric:
             res = self._cores[node] = simpy.Resource(self.env, capacity=cores)
         return res
 
-    def _route_latency(self, links: tuple[_Link, ...], latency: float) -> float:
-        """The path latency alone (``latency`` less the profile's completion overhead)."""
+    def _path_latency_only(self, latency: float) -> float:
+        """``latency`` of a cached route less the profile's completion overhead."""
         return max(latency - self.profile.completion_overhead, 0.0)
 
     def _host_transfer(
@@ -380,10 +380,10 @@ class Fabric:
             progressed = peer_progress(post_start)
             if progressed > env.now:
                 yield env.timeout(progressed - env.now)
-        yield env.timeout(self._route_latency(links, latency))
+        yield env.timeout(self._path_latency_only(latency))
         # the rank's poll loop notices the completion (on the rank's one thread, after the posts
-        # queued on it) and the coordinator takes the message: CPU work too, queued behind
-        # whatever holds the node's cores
+        # queued on it) and the coordinator takes the message (on its thread): CPU work too,
+        # queued behind whatever holds the cores
         if p.completion_notice:
             with self._poster(poster).request() as req:
                 yield req
@@ -391,9 +391,7 @@ class Fabric:
                     yield core
                     yield env.timeout(p.completion_notice)
         if p.coordinator_message:
-            with self._node_cores(poster.node).request() as core:
-                yield core
-                yield env.timeout(p.coordinator_message)
+            yield self.coordinator_work(p.coordinator_message)
         return TransferTiming(
             submitted=submitted,
             post_start=post_start,
