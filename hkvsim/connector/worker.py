@@ -387,7 +387,13 @@ class ConnectorWorker:
                 state_p.append(p_slots)
                 state_d.append(d_slots)
         empty = np.zeros(0, np.int64)
-        join = (lambda parts: np.concatenate(parts) if parts else empty)
+
+        def join(parts: list[np.ndarray]) -> np.ndarray:
+            # a fresh array, made read-only: the transport may remember answers per columns
+            out = np.concatenate(parts) if parts else empty
+            out.flags.writeable = False
+            return out
+
         paired = _PairedBlocks(attention_prefill=join(attn_p), attention_decode=join(attn_d),
                                state_prefill=join(state_p), state_decode=join(state_d))
         if "attention-only-transfer" in quirks:  # decode runs from zeroed state (ATOM #2154)
