@@ -84,3 +84,25 @@ def test_runs_of_the_same_shape_elsewhere_are_not_answered_from_the_last_ones() 
     assert driver._on_landing(agent, free, lengths, 7, False, memo={}) is True
     assert driver._on_landing(agent, held, lengths * 2, 7, False, memo={}) is True  # into 4, 5
     assert driver._on_landing(agent, held, lengths, 7, False, memo={}) is False
+
+
+def test_runs_named_by_the_transport_are_shared_only_at_the_same_offsets() -> None:
+    """Transfers the transport names with the same runs token (the same runs up to a shift)
+    share the guard's block lookup only where the runs start at the same offset in the rank's
+    allocation; a token seen at another offset is looked up anew (other blocks)."""
+    driver, agent, base, engine = _driver()
+    page = engine.layout.unified_page_bytes
+    engine.pool.owner[[2, 3]] = 7
+    token = object()
+    lengths = np.array([page, page], dtype=np.int64)
+    rel = np.array([0, page], dtype=np.int64)
+    for _ in range(2):  # the first call looks the blocks up, the second shares them
+        memo = {"runs": (token, "local", base + 2 * page)}
+        assert driver._on_landing(agent, base + 2 * page + rel, lengths, 7, False,
+                                  memo=memo) is False
+    assert memo["blocks"].tolist() == [2, 3]
+    memo = {"runs": (token, "local", base + 4 * page)}  # the same token, two blocks later
+    assert driver._on_landing(agent, base + 4 * page + rel, lengths, 7, False,
+                              memo=memo) is True
+    assert memo["blocks"].tolist() == [4, 5]
+    assert driver.coord.counters["stray_writes"] == 1

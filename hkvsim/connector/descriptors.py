@@ -90,7 +90,7 @@ class DescriptorList:
             parts.append((self.region_starts, block_ids))
         if slot_ids is not None:
             parts.append((self.subregion_starts, slot_ids))
-        return OuterIds(parts)
+        return OuterIds.of_arrays(parts)
 
     def attention_ids(self, block_ids: np.ndarray) -> np.ndarray:
         """ids r*N_fa + k for every attention region r (region-major), k in ``block_ids``."""

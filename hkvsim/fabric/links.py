@@ -33,6 +33,7 @@ iteration is over insertion-ordered dicts.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Generator, Hashable, Mapping
 from dataclasses import dataclass
@@ -402,7 +403,13 @@ class Fabric:
         self._timer_gen += 1
         if not self._nflows:
             return
-        first = min(g.time_to_first() for g in self._active)
+        first = math.inf  # min over the groups of PathGroup.time_to_first(), inlined
+        for g in self._active:
+            heap, rate = g.heap, g.rate
+            if heap and rate > 0:
+                t = max(heap[0][0] - g.served, 0.0) / rate
+                if t < first:
+                    first = t
         slack = first * (1 + _TIE_REL)
         for g in self._active:
             g.due_limit = g.served + g.rate * slack

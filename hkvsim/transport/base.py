@@ -261,6 +261,12 @@ class CheckedPairs:
         n = self._runs.coalesced() if self._runs is not None else None
         return n if n is not None else coalesced_count(self.rows("local"), self.rows("remote"))
 
+    def runs_key(self, side: str) -> "tuple[Any, str, int] | None":
+        """For ids checked from their structure: (token, side, shift), equal for transfers
+        whose byte runs on ``side`` are the same up to ``shift`` (see OuterPairs.runs_key);
+        else None."""
+        return None if self._outer is None else self._outer.runs_key(side)
+
     def extents(self, side: str) -> tuple[np.ndarray, np.ndarray]:
         """(addresses, lengths) int64 byte runs naming exactly one side's bytes, each inside
         one registered region's segment (contiguous descriptors may come as one run)."""

@@ -49,6 +49,21 @@ class OuterIds:
 
     __slots__ = ("parts", "size", "_flat")
 
+    @classmethod
+    def of_arrays(cls, parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> "OuterIds":
+        """The same, from parts that are already 1-D int64 arrays (the connector's: not
+        converted again); anything else goes through the checked constructor."""
+        for s, c in parts:
+            if not (type(s) is np.ndarray and type(c) is np.ndarray and s.dtype == np.int64
+                    and c.dtype == np.int64 and s.ndim == 1 and c.ndim == 1):
+                return cls(parts)
+        self = cls.__new__(cls)
+        kept = tuple([(s, c) for s, c in parts if s.size and c.size])
+        self.parts = kept
+        self.size = sum([s.size * c.size for s, c in kept])
+        self._flat = None
+        return self
+
     def __init__(self, parts: Sequence[tuple[Any, Any]]) -> None:
         kept = []
         for starts, cols in parts:
@@ -211,6 +226,12 @@ class OuterPairs:
     @property
     def coalesced(self) -> int:
         return self.answer.coalesced
+
+    def runs_key(self, side: str) -> tuple[Any, str, int]:
+        """(answer, side, shift): transfers with the same answer object and side have the
+        same byte runs on that side up to ``shift`` (the side's first row address), which
+        :meth:`extents` adds."""
+        return (self.answer, side, self.pair.l_shift if side == "local" else self.pair.r_shift)
 
     def extents(self, side: str) -> tuple[np.ndarray, np.ndarray]:
         """(addresses, lengths) int64, one per descriptor of one side, in id-list order (the

@@ -332,7 +332,8 @@ class SimTransport:
                   coalesced=pairs.coalesced() if coalesces("prepped") else int(li.size),
                   handle=handle)
         if self.world.landing_guard is not None and li.size:  # derive it while runs are known
-            self._set_landing(x, *pairs.extents("local" if op == "READ" else "remote"))
+            side = "local" if op == "READ" else "remote"
+            self._set_landing(x, *pairs.extents(side), runs=pairs.runs_key(side))
         self._xfers[handle] = x
         return handle
 
@@ -475,12 +476,14 @@ class SimTransport:
         dst, addrs, lengths, memo = x.landing
         return bool(guard(dst, addrs, lengths, x.owner, landed, memo=memo))
 
-    def _set_landing(self, x: _Xfer, addrs: np.ndarray, lengths: np.ndarray) -> None:
+    def _set_landing(self, x: _Xfer, addrs: np.ndarray, lengths: np.ndarray,
+                     runs: Any = None) -> None:
         """The destination byte runs of ``x``, for the landing guard: (agent, addresses,
         lengths, guard memo); the destination is the local side of a READ, the remote one of
-        a WRITE."""
+        a WRITE. ``runs``: a key naming the runs up to their first address (the memo's
+        "runs": (token, side, shift); equal tokens and sides, equal runs minus shift)."""
         dst = self.name if x.op == "READ" else x.remote.agent
-        x.landing = (dst, addrs, lengths, {})
+        x.landing = (dst, addrs, lengths, {} if runs is None else {"runs": runs})
 
     def _move(self, x: _Xfer, me: _Agent, remote: _Agent) -> None:
         ld, rd = list_rows(x.local.descs, x.local_ids), list_rows(x.remote.descs, x.remote_ids)
