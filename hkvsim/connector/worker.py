@@ -576,6 +576,8 @@ class ConnectorWorker:
         return True
 
     def _reap_zombies(self) -> None:
+        if not self._zombies:
+            return
         for handle, rid in list(self._zombies.items()):
             try:
                 state = self.transport.check_xfer_state(handle)

@@ -230,8 +230,9 @@ class SimDriver:
         engine = self.coord.engine(rank[0])
         blocks = None if memo is None else memo.get("blocks")
         if blocks is None:  # which blocks the runs touch is fixed; only their owners change
-            blocks, outside = self._touched(rank, engine.layout, addrs, lengths,
-                                            None if memo is None else memo.get("runs"))
+            blocks, outside = self._touched(
+                rank, engine.layout, addrs, lengths, None if memo is None else memo.get("runs"),
+                None if memo is None else memo.get("extents"))
             if memo is not None:
                 memo["blocks"], memo["outside"] = blocks, outside
         else:
@@ -253,20 +254,24 @@ class SimDriver:
             victims=sorted({int(v) for v in owners[bad] if v >= 0}), where=where, landed=landed)
         return True
 
-    def _touched(self, rank: RankId, layout: Any, addrs: np.ndarray, lengths: np.ndarray,
-                 runs: Any = None) -> tuple[np.ndarray, bool]:
+    def _touched(self, rank: RankId, layout: Any, addrs: np.ndarray | None,
+                 lengths: np.ndarray | None, runs: Any = None,
+                 extents: Callable[[], Any] | None = None) -> tuple[np.ndarray, bool]:
         """(blocks the byte runs at ``addrs`` in a rank's allocation touch, whether any byte
         lies outside every block). The ranks of an engine share its layout, so the same runs
         touch the same blocks on each: the last answer per engine is reused when the runs are
         equal (a request's transfers to the ranks of one engine come one after another).
         ``runs``: the transport's (token, side, shift) for the runs (equal tokens and sides:
-        equal runs minus shift), which names equal offsets without comparing them."""
+        equal runs minus shift), which names equal offsets without comparing them; then
+        ``addrs`` and ``lengths`` may be None and ``extents()`` gives them."""
         engine_id = rank[0]
         if runs is not None:
             key = (engine_id, id(runs[0]), runs[1], runs[2] - self._base[rank])
             got = self._touched_runs.get(key)
             if got is not None and got[0] is runs[0]:
                 return got[1], got[2]
+            if addrs is None:  # the transport gives them when asked
+                addrs, lengths = extents()
             blocks, outside = self._touched(rank, layout, addrs, lengths)
             if len(self._touched_runs) >= 256:
                 self._touched_runs.clear()

@@ -81,6 +81,8 @@ def check_mem_type(mem_type: Any, *, what: str) -> str:
 
 def check_handle(handle: Any, *, what: str) -> int:
     """A transfer or list handle must be an int this transport gave out (not a bool or float)."""
+    if type(handle) is int:  # the common case (bool is a subclass, not the type)
+        return handle
     if not isinstance(handle, (int, np.integer)) or isinstance(handle, (bool, np.bool_)):
         raise TransportError(f"{what}: handle must be an int, got {type(handle).__name__} "
                              f"{handle!r:.40}")

@@ -323,12 +323,20 @@ def outer_pairs(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterId
     # ranks of an engine). Only for columns that cannot change: read-only arrays owning their
     # data (the connector's paired ids), remembered by identity
     cols = [c for _, c in parts_l] + [c for _, c in parts_r]
-    memo = not any(c.flags.writeable or c.base is not None for c in cols)
+    memo = True
+    for c in cols:
+        if c.flags.writeable or c.base is not None:
+            memo = False
+            break
     if memo:
-        rkey = (pair.shape, *[id(c) for c in cols])
+        rkey = (pair.shape, *map(id, cols))
         got = _RESULTS.get(rkey)
-        if got is not None and all(a is b for a, b in zip(got[0], cols)):
-            return None if got[1] is None else OuterPairs(pair, lo, ro, got[1])
+        if got is not None:
+            for a, b in zip(got[0], cols):
+                if a is not b:
+                    break
+            else:
+                return None if got[1] is None else OuterPairs(pair, lo, ro, got[1])
     answer = _answer(pair, parts_l, parts_r, lo.size)
     if memo:
         if len(_RESULTS) >= _RESULTS_LIMIT:
