@@ -618,6 +618,9 @@ class ConnectorWorker:
         posting order, instead of every request in flight."""
         if finished is None:
             rids = list(self._in_flight)
+        elif type(finished) is list and len(finished) <= 1:  # nothing, or one, finished
+            rid = self._handle_rid.get(finished[0]) if finished else None
+            rids = [] if rid is None else [rid]
         else:
             owners = {self._handle_rid.get(h) for h in finished}
             owners.discard(None)
