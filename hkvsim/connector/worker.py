@@ -335,8 +335,9 @@ class ConnectorWorker:
         (the same ids with their structure, transport/outer.py) for a transport that reads it,
         else flat int64 arrays; bytes counted per region, without a per-descriptor gather."""
         (la, ra), (ls, rs) = blocks or (None, None), slots or (None, None)
-        local_ids = local_list.outer_ids(la, ls)
-        remote_ids = remote_list.outer_ids(ra, rs)
+        # the paired ids are never modified once made (_PairedBlocks): frozen columns
+        local_ids = local_list.outer_ids(la, ls, frozen=True)
+        remote_ids = remote_list.outer_ids(ra, rs, frozen=True)
         nbytes = ((0 if la is None else la.size * local_list.attention_bytes)
                   + (0 if ls is None else ls.size * local_list.state_bytes))
         if not self._outer_ids:
@@ -387,13 +388,7 @@ class ConnectorWorker:
                 state_p.append(p_slots)
                 state_d.append(d_slots)
         empty = np.zeros(0, np.int64)
-
-        def join(parts: list[np.ndarray]) -> np.ndarray:
-            # a fresh array, made read-only: the transport may remember answers per columns
-            out = np.concatenate(parts) if parts else empty
-            out.flags.writeable = False
-            return out
-
+        join = (lambda parts: np.concatenate(parts) if parts else empty)
         paired = _PairedBlocks(attention_prefill=join(attn_p), attention_decode=join(attn_d),
                                state_prefill=join(state_p), state_decode=join(state_d))
         if "attention-only-transfer" in quirks:  # decode runs from zeroed state (ATOM #2154)

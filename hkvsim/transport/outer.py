@@ -45,26 +45,30 @@ def _int64(values: Any, what: str) -> np.ndarray:
 class OuterIds:
     """Descriptor ids ``starts_p[r] + cols_p[c]`` for every part ``p``, row ``r`` (outer) and
     column ``c`` (inner), parts one after the other. Parts with no row or no column name no
-    id and are dropped. ``np.asarray`` gives the flat int64 ids."""
+    id and are dropped. ``np.asarray`` gives the flat int64 ids. ``frozen``: the caller
+    promises never to modify the arrays (the connector's paired ids), so a transport may
+    remember what it derived from them by their identity (:func:`outer_pairs`)."""
 
-    __slots__ = ("parts", "size", "_flat")
+    __slots__ = ("parts", "size", "_flat", "frozen")
 
     @classmethod
-    def of_arrays(cls, parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> "OuterIds":
+    def of_arrays(cls, parts: Sequence[tuple[np.ndarray, np.ndarray]], *,
+                  frozen: bool = False) -> "OuterIds":
         """The same, from parts that are already 1-D int64 arrays (the connector's: not
         converted again); anything else goes through the checked constructor."""
         for s, c in parts:
             if not (type(s) is np.ndarray and type(c) is np.ndarray and s.dtype == np.int64
                     and c.dtype == np.int64 and s.ndim == 1 and c.ndim == 1):
-                return cls(parts)
+                return cls(parts, frozen=frozen)
         self = cls.__new__(cls)
         kept = tuple([(s, c) for s, c in parts if s.size and c.size])
         self.parts = kept
         self.size = sum([s.size * c.size for s, c in kept])
         self._flat = None
+        self.frozen = frozen
         return self
 
-    def __init__(self, parts: Sequence[tuple[Any, Any]]) -> None:
+    def __init__(self, parts: Sequence[tuple[Any, Any]], *, frozen: bool = False) -> None:
         kept = []
         for starts, cols in parts:
             s, c = _int64(starts, "row starts"), _int64(cols, "columns")
@@ -73,6 +77,7 @@ class OuterIds:
         self.parts: tuple[tuple[np.ndarray, np.ndarray], ...] = tuple(kept)
         self.size = sum(s.size * c.size for s, c in kept)
         self._flat: np.ndarray | None = None
+        self.frozen = frozen
 
     @property
     def shape(self) -> tuple[int]:
@@ -170,8 +175,9 @@ class _Pair:
 
 _SHAPES: dict[tuple[Any, ...], int] = {}  # interned pair shapes -> small int
 _SHAPE_NUMBERS = itertools.count()  # never reused, also after _SHAPES is cleared
-_RESULTS: dict[tuple[int, ...], Any] = {}  # (shape, column ids) -> (columns, answer)
-_RESULTS_LIMIT = 64  # a request's transfers come one after another: a few suffice
+# shape -> (columns, answer) of the last transfer of that shape whose columns cannot change
+# (a request's transfers to the ranks of an engine come one after another)
+_RESULTS: dict[int, tuple[list[np.ndarray], Any]] = {}
 
 
 def _shape_of(pair: _Pair) -> int:
@@ -320,28 +326,19 @@ def outer_pairs(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterId
                                   (local, remote, [a[0] for a in parts_l],
                                    [b[0] for b in parts_r]))
     # the same shape and the same columns: the same answer (a request's transfers to the
-    # ranks of an engine). Only for columns that cannot change: read-only arrays owning their
-    # data (the connector's paired ids), remembered by identity
+    # ranks of an engine). Remembered only for frozen columns (never modified: the
+    # connector's paired ids), by identity
     cols = [c for _, c in parts_l] + [c for _, c in parts_r]
-    memo = True
-    for c in cols:
-        if c.flags.writeable or c.base is not None:
-            memo = False
-            break
-    if memo:
-        rkey = (pair.shape, *map(id, cols))
-        got = _RESULTS.get(rkey)
-        if got is not None:
-            for a, b in zip(got[0], cols):
-                if a is not b:
-                    break
-            else:
-                return None if got[1] is None else OuterPairs(pair, lo, ro, got[1])
+    got = _RESULTS.get(pair.shape)  # the last answer for this shape, and its columns
+    if got is not None and len(got[0]) == len(cols):
+        for a, b in zip(got[0], cols):
+            if a is not b:
+                break
+        else:
+            return None if got[1] is None else OuterPairs(pair, lo, ro, got[1])
     answer = _answer(pair, parts_l, parts_r, lo.size)
-    if memo:
-        if len(_RESULTS) >= _RESULTS_LIMIT:
-            _RESULTS.clear()
-        _RESULTS[rkey] = (cols, answer)  # keeps the columns alive: their ids stay theirs
+    if lo.frozen and ro.frozen:  # remembered (the entry keeps the columns: ids stay theirs)
+        _RESULTS[pair.shape] = (cols, answer)
     return None if answer is None else OuterPairs(pair, lo, ro, answer)
 
 
