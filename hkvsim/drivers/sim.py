@@ -218,8 +218,8 @@ class SimDriver:
         self._deliver(lambda: self.coord.on_timer(self.env.now))
 
     # ---- the landing guard ----------------------------------------------------------------
-    def _on_landing(self, agent: str, addrs: np.ndarray, lengths: np.ndarray, owner: Any,
-                    landed: bool, memo: dict[str, Any] | None = None) -> bool:
+    def _on_landing(self, agent: str, addrs: np.ndarray | None, lengths: np.ndarray | None,
+                    owner: Any, landed: bool, memo: dict[str, Any] | None = None) -> bool:
         """A transfer is posted, or its bytes land: every destination block must belong to the
         request the transfer was posted for. At posting, anything else is a stray write (the
         connector aimed at blocks its request does not hold); at landing, a late landing (bytes

@@ -13,7 +13,6 @@ such lists go stale, as local lists over deregistered memory do).
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from itertools import count
