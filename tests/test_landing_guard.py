@@ -84,3 +84,32 @@ def test_runs_of_the_same_shape_elsewhere_are_not_answered_from_the_last_ones() 
     assert driver._on_landing(agent, free, lengths, 7, False, memo={}) is True
     assert driver._on_landing(agent, held, lengths * 2, 7, False, memo={}) is True  # into 4, 5
     assert driver._on_landing(agent, held, lengths, 7, False, memo={}) is False
+
+
+def test_runs_named_by_the_transport_are_shared_only_at_the_same_offsets() -> None:
+    """Transfers the transport names with the same runs token (the same runs up to a shift)
+    share the guard's block lookup only where the runs start at the same offset in the rank's
+    allocation; a token seen at another offset is looked up anew (other blocks). Named runs
+    may come without addresses: the memo's "extents" gives them when the lookup needs them."""
+    driver, agent, base, engine = _driver()
+    page = engine.layout.unified_page_bytes
+    engine.pool.owner[[2, 3]] = 7
+    token = object()
+    lengths = np.array([page, page], dtype=np.int64)
+    rel = np.array([0, page], dtype=np.int64)
+
+    def unused() -> None:
+        raise AssertionError("addresses asked for runs whose blocks are known")
+
+    memo = {"runs": (token, "local", base + 2 * page)}
+    assert driver._on_landing(agent, base + 2 * page + rel, lengths, 7, False,
+                              memo=memo) is False
+    memo = {"runs": (token, "local", base + 2 * page), "extents": unused}
+    assert driver._on_landing(agent, None, None, 7, False, memo=memo) is False
+    assert memo["blocks"].tolist() == [2, 3]
+    # the same token, two blocks later: looked up, from the addresses "extents" gives
+    memo = {"runs": (token, "local", base + 4 * page),
+            "extents": lambda: (base + 4 * page + rel, lengths)}
+    assert driver._on_landing(agent, None, None, 7, False, memo=memo) is True
+    assert memo["blocks"].tolist() == [4, 5]
+    assert driver.coord.counters["stray_writes"] == 1

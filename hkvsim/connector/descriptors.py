@@ -82,15 +82,17 @@ class DescriptorList:
         """The first id of every state sub-region (1-D int64)."""
         return np.ascontiguousarray(self._subregion_starts[:, 0])
 
-    def outer_ids(self, block_ids: np.ndarray | None, slot_ids: np.ndarray | None) -> OuterIds:
+    def outer_ids(self, block_ids: np.ndarray | None, slot_ids: np.ndarray | None, *,
+                  frozen: bool = False) -> OuterIds:
         """``attention_ids(block_ids)`` then ``state_ids(slot_ids)`` (None: none), as the
-        OuterIds they are: the transport can check them from their structure."""
+        OuterIds they are: the transport can check them from their structure. ``frozen``: the
+        caller never modifies the arrays (see OuterIds)."""
         parts = []
         if block_ids is not None:
             parts.append((self.region_starts, block_ids))
         if slot_ids is not None:
             parts.append((self.subregion_starts, slot_ids))
-        return OuterIds(parts)
+        return OuterIds.of_arrays(parts, frozen=frozen)
 
     def attention_ids(self, block_ids: np.ndarray) -> np.ndarray:
         """ids r*N_fa + k for every attention region r (region-major), k in ``block_ids``."""

@@ -122,7 +122,12 @@ def merge_contiguous(local: np.ndarray, remote: np.ndarray, regions: Regions = N
     it absorbed started).
     """
     lo, re = _pairs(local, remote)
-    starts = _contiguous_starts(lo, re, regions)
+    return _joined(lo, re, _contiguous_starts(lo, re, regions))
+
+
+def _joined(lo: np.ndarray, re: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of checked pairs ``lo``/``re`` with every contiguous run (``starts``: its first
+    pair) joined into its first row."""
     if starts.size == lo.shape[0]:
         return lo.copy(), re.copy()
     merged = np.add.reduceat(lo[:, 1], starts)
@@ -175,19 +180,18 @@ def merge_strided(local: np.ndarray, remote: np.ndarray, regions: Regions = None
     (addr, len, dev, stride, count); a row with count 1 has stride = len."""
     lo, re = _pairs(local, remote)
     starts = _contiguous_starts(lo, re, regions)
-    cl, cr = merge_contiguous(lo, re, regions)
+    cl, cr = _joined(lo, re, starts)
     m = cl.shape[0]
     row_regions = None if regions is None else (np.asarray(regions[0])[starts],
                                                 np.asarray(regions[1])[starts])
     firsts, counts = (_strided_runs(cl[:, 0], cr[:, 0], cl[:, 1], cl[:, 2], cr[:, 2],
                                     _same_region(row_regions, m)) if m > 1
                       else (np.zeros(0, np.int64), np.zeros(0, np.int64)))
-    cover = np.zeros(m + 1, dtype=np.int64)
-    np.add.at(cover, firsts, 1)
-    np.add.at(cover, firsts + counts, -1)
-    inside = np.cumsum(cover[:-1]) > 0
-    head = ~inside
-    head[firsts] = True
+    # a row heads its plan row unless a strided run took it after its first row (the runs
+    # do not overlap: _strided_runs takes them left to right)
+    head = np.ones(m, dtype=bool)
+    for f, c in zip(firsts.tolist(), counts.tolist()):
+        head[f + 1:f + c] = False
     rows = np.flatnonzero(head)
     count = np.ones(rows.size, dtype=np.uint64)
     pos = np.searchsorted(rows, firsts)

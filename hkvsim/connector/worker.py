@@ -335,8 +335,9 @@ class ConnectorWorker:
         (the same ids with their structure, transport/outer.py) for a transport that reads it,
         else flat int64 arrays; bytes counted per region, without a per-descriptor gather."""
         (la, ra), (ls, rs) = blocks or (None, None), slots or (None, None)
-        local_ids = local_list.outer_ids(la, ls)
-        remote_ids = remote_list.outer_ids(ra, rs)
+        # the paired ids are never modified once made (_PairedBlocks): frozen columns
+        local_ids = local_list.outer_ids(la, ls, frozen=True)
+        remote_ids = remote_list.outer_ids(ra, rs, frozen=True)
         nbytes = ((0 if la is None else la.size * local_list.attention_bytes)
                   + (0 if ls is None else ls.size * local_list.state_bytes))
         if not self._outer_ids:
@@ -570,6 +571,8 @@ class ConnectorWorker:
         return True
 
     def _reap_zombies(self) -> None:
+        if not self._zombies:
+            return
         for handle, rid in list(self._zombies.items()):
             try:
                 state = self.transport.check_xfer_state(handle)
@@ -610,6 +613,9 @@ class ConnectorWorker:
         posting order, instead of every request in flight."""
         if finished is None:
             rids = list(self._in_flight)
+        elif type(finished) is list and len(finished) <= 1:  # nothing, or one, finished
+            rid = self._handle_rid.get(finished[0]) if finished else None
+            rids = [] if rid is None else [rid]
         else:
             owners = {self._handle_rid.get(h) for h in finished}
             owners.discard(None)

@@ -132,6 +132,8 @@ class SimDriver:
         self._timer_gen = 0
         # landing guard: per engine, the last (offsets, lengths, blocks, outside) it derived
         self._last_touched: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
+        # ... and per (engine, runs token, side, first address in the allocation) the blocks
+        self._touched_runs: dict[tuple[Any, ...], tuple[Any, np.ndarray, bool]] = {}
 
     # ---- the run --------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -278,8 +280,8 @@ class SimDriver:
         self._deliver(lambda: self.coord.on_timer(self.env.now))
 
     # ---- the landing guard ----------------------------------------------------------------
-    def _on_landing(self, agent: str, addrs: np.ndarray, lengths: np.ndarray, owner: Any,
-                    landed: bool, memo: dict[str, Any] | None = None) -> bool:
+    def _on_landing(self, agent: str, addrs: np.ndarray | None, lengths: np.ndarray | None,
+                    owner: Any, landed: bool, memo: dict[str, Any] | None = None) -> bool:
         """A transfer is posted, or its bytes land: every destination block must belong to the
         request the transfer was posted for. At posting, anything else is a stray write (the
         connector aimed at blocks its request does not hold); at landing, a late landing (bytes
@@ -290,8 +292,9 @@ class SimDriver:
         engine = self.coord.engine(rank[0])
         blocks = None if memo is None else memo.get("blocks")
         if blocks is None:  # which blocks the runs touch is fixed; only their owners change
-            blocks, outside = self._touched(rank[0], engine.layout, addrs - self._base[rank],
-                                            lengths)
+            blocks, outside = self._touched(
+                rank, engine.layout, addrs, lengths, None if memo is None else memo.get("runs"),
+                None if memo is None else memo.get("extents"))
             if memo is not None:
                 memo["blocks"], memo["outside"] = blocks, outside
         else:
@@ -313,12 +316,30 @@ class SimDriver:
             victims=sorted({int(v) for v in owners[bad] if v >= 0}), where=where, landed=landed)
         return True
 
-    def _touched(self, engine_id: str, layout: Any, offsets: np.ndarray, lengths: np.ndarray
-                 ) -> tuple[np.ndarray, bool]:
-        """(blocks the byte runs at ``offsets`` of a rank's allocation touch, whether any byte
+    def _touched(self, rank: RankId, layout: Any, addrs: np.ndarray | None,
+                 lengths: np.ndarray | None, runs: Any = None,
+                 extents: Callable[[], Any] | None = None) -> tuple[np.ndarray, bool]:
+        """(blocks the byte runs at ``addrs`` in a rank's allocation touch, whether any byte
         lies outside every block). The ranks of an engine share its layout, so the same runs
         touch the same blocks on each: the last answer per engine is reused when the runs are
-        equal (a request's transfers to the ranks of one engine come one after another)."""
+        equal (a request's transfers to the ranks of one engine come one after another).
+        ``runs``: the transport's (token, side, shift) for the runs (equal tokens and sides:
+        equal runs minus shift), which names equal offsets without comparing them; then
+        ``addrs`` and ``lengths`` may be None and ``extents()`` gives them."""
+        engine_id = rank[0]
+        if runs is not None:
+            key = (engine_id, id(runs[0]), runs[1], runs[2] - self._base[rank])
+            got = self._touched_runs.get(key)
+            if got is not None and got[0] is runs[0]:
+                return got[1], got[2]
+            if addrs is None:  # the transport gives them when asked
+                addrs, lengths = extents()
+            blocks, outside = self._touched(rank, layout, addrs, lengths)
+            if len(self._touched_runs) >= 256:
+                self._touched_runs.clear()
+            self._touched_runs[key] = (runs[0], blocks, outside)  # keeps the token alive
+            return blocks, outside
+        offsets = addrs - self._base[rank]
         last = self._last_touched.get(engine_id)
         if (last is not None and last[0].shape == offsets.shape
                 and bool((last[0] == offsets).all()) and bool((last[1] == lengths).all())):

@@ -42,6 +42,7 @@ iteration is over insertion-ordered dicts.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Generator, Hashable, Mapping
 from dataclasses import dataclass
@@ -189,6 +190,11 @@ class Fabric:
         # (group index, flows) of every active group, flattened -> (their rates, (flows, rate)
         # of every link, flattened); numbers only, so the garbage collector does not track them
         self._rate_memo: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[Any, ...]]] = {}
+        # link loads last logged (every link's segment holds them), and per (last loads, new
+        # loads) -- by identity, the tuples kept alive -- the links whose segment changes
+        self._logged: tuple[Any, ...] | None = None
+        self._link_seq: tuple[_Link, ...] = ()  # self._links' values, in creation order
+        self._log_memo: dict[tuple[int, int], tuple[Any, Any, tuple[int, ...]]] = {}
 
     # ----------------------------------------------------------------- routing
 
@@ -503,10 +509,31 @@ class Fabric:
         return tuple(loads)
 
     def _log_rates(self, loads: tuple[Any, ...]) -> None:
+        """Close the segment of every link whose (flows, rate) changes and open its new one.
+        Which links change depends only on the loads logged last and the new ones (every
+        link's segment holds the loads logged last; a link created since starts idle), so it
+        is remembered per pair of load tuples."""
+        prev = self._logged
+        got = self._log_memo.get((id(prev), id(loads)))
+        if got is None or got[0] is not prev or got[1] is not loads:
+            changed = tuple(i for i, (link, nflows, rate) in enumerate(
+                zip(self._links.values(), loads[0::2], loads[1::2]))
+                if not (rate == link.seg_rate and nflows == link.seg_flows))
+            if len(self._log_memo) >= _MEMO_LIMIT:
+                self._log_memo.clear()
+            self._log_memo[(id(prev), id(loads))] = (prev, loads, changed)
+        else:
+            changed = got[2]
+        self._logged = loads
+        if not changed:
+            return
         now = self.env.now
-        for link, nflows, rate in zip(self._links.values(), loads[0::2], loads[1::2]):
-            if rate == link.seg_rate and nflows == link.seg_flows:
-                continue
+        links = self._link_seq
+        if len(links) != len(self._links):  # links are only ever added
+            links = self._link_seq = tuple(self._links.values())
+        for i in changed:
+            link = links[i]
+            nflows, rate = loads[2 * i], loads[2 * i + 1]
             if link.seg_rate > 0 and now > link.seg_start:
                 self.link_log.append(
                     LinkSegment(
@@ -521,7 +548,13 @@ class Fabric:
         self._timer_gen += 1
         if not self._nflows:
             return
-        first = min(g.time_to_first() for g in self._active)
+        first = math.inf  # min over the groups of PathGroup.time_to_first(), inlined
+        for g in self._active:
+            heap, rate = g.heap, g.rate
+            if heap and rate > 0:
+                t = max(heap[0][0] - g.served, 0.0) / rate
+                if t < first:
+                    first = t
         slack = first * (1 + _TIE_REL)
         for g in self._active:
             g.due_limit = g.served + g.rate * slack

@@ -81,6 +81,8 @@ def check_mem_type(mem_type: Any, *, what: str) -> str:
 
 def check_handle(handle: Any, *, what: str) -> int:
     """A transfer or list handle must be an int this transport gave out (not a bool or float)."""
+    if type(handle) is int:  # the common case (bool is a subclass, not the type)
+        return handle
     if not isinstance(handle, (int, np.integer)) or isinstance(handle, (bool, np.bool_)):
         raise TransportError(f"{what}: handle must be an int, got {type(handle).__name__} "
                              f"{handle!r:.40}")
@@ -178,17 +180,23 @@ def check_strided_array(descs: np.ndarray, *, what: str = "strided descriptor li
 
 def expand_strided(rows: np.ndarray) -> np.ndarray:
     """The (N, 3) (addr, len, device) runs an (M, 5) strided array names, row by row."""
-    arr = np.asarray(rows, dtype=np.uint64)
-    counts = arr[:, 4].astype(np.int64)
+    return _expand_strided((np.asarray(rows, dtype=np.uint64),))[0]
+
+
+def _expand_strided(sides: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+    """:func:`expand_strided` of uint64 (M, 5) arrays with the same counts (column 4), the
+    run numbering shared."""
+    counts = sides[0][:, 4].astype(np.int64)
     if counts.size and (counts == 1).all():
-        return np.ascontiguousarray(arr[:, :3])
-    row = np.repeat(np.arange(counts.size), counts)
+        return [np.ascontiguousarray(arr[:, :3]) for arr in sides]
     within = (np.arange(int(counts.sum()), dtype=np.int64)
               - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.uint64)
-    out = np.empty((row.size, 3), dtype=np.uint64)
-    out[:, 0] = arr[row, 0] + within * arr[row, 3]
-    out[:, 1] = arr[row, 1]
-    out[:, 2] = arr[row, 2]
+    out = []
+    for arr in sides:
+        rep = np.repeat(arr, counts, axis=0)  # each row once per run it names
+        runs = np.ascontiguousarray(rep[:, :3])
+        runs[:, 0] += within * rep[:, 3]
+        out.append(runs)
     return out
 
 
@@ -260,6 +268,12 @@ class CheckedPairs:
             return self._outer.coalesced
         n = self._runs.coalesced() if self._runs is not None else None
         return n if n is not None else coalesced_count(self.rows("local"), self.rows("remote"))
+
+    def runs_key(self, side: str) -> "tuple[Any, str, int] | None":
+        """For ids checked from their structure: (token, side, shift), equal for transfers
+        whose byte runs on ``side`` are the same up to ``shift`` (see OuterPairs.runs_key);
+        else None."""
+        return None if self._outer is None else self._outer.runs_key(side)
 
     def extents(self, side: str) -> tuple[np.ndarray, np.ndarray]:
         """(addresses, lengths) int64 byte runs naming exactly one side's bytes, each inside
@@ -515,7 +529,7 @@ def pair_descriptors(local_descs: Any, remote_descs: Any, *, what: str) -> Paire
         if lrows.shape != rrows.shape or not np.array_equal(lrows[:, [1, 4]], rrows[:, [1, 4]]):
             raise TransportError(f"{what}: strided rows differ in number, length or count "
                                  f"between the local and the remote side")
-        ld, rd = expand_strided(lrows), expand_strided(rrows)
+        ld, rd = _expand_strided((lrows, rrows))  # equal counts: checked above
     else:
         ld = np.ascontiguousarray(check_descriptor_array(la, what=f"{what}: local"),
                                   dtype=np.uint64)

@@ -18,6 +18,7 @@ coalesced counts apart.
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 import numpy as np
@@ -33,6 +34,7 @@ COALESCING: Final[dict[str, dict[str, bool]]] = {
 _NEWEST: Final[str] = max(COALESCING, key=lambda v: tuple(int(p) for p in v.split(".")))
 
 
+@functools.lru_cache(maxsize=64)
 def coalesces(kind: str, nixl_version: str | None = None) -> bool:
     """Whether a transfer of ``kind`` ("prepped" or "non_prepped") is coalesced by NIXL."""
     table = COALESCING.get(".".join((nixl_version or _NEWEST).split(".")[:2]),

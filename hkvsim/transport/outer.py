@@ -16,6 +16,7 @@ returns None and the caller checks the flat ids, with the flat path's messages.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,11 +45,30 @@ def _int64(values: Any, what: str) -> np.ndarray:
 class OuterIds:
     """Descriptor ids ``starts_p[r] + cols_p[c]`` for every part ``p``, row ``r`` (outer) and
     column ``c`` (inner), parts one after the other. Parts with no row or no column name no
-    id and are dropped. ``np.asarray`` gives the flat int64 ids."""
+    id and are dropped. ``np.asarray`` gives the flat int64 ids. ``frozen``: the caller
+    promises never to modify the arrays (the connector's paired ids), so a transport may
+    remember what it derived from them by their identity (:func:`outer_pairs`)."""
 
-    __slots__ = ("parts", "size", "_flat")
+    __slots__ = ("parts", "size", "_flat", "frozen")
 
-    def __init__(self, parts: Sequence[tuple[Any, Any]]) -> None:
+    @classmethod
+    def of_arrays(cls, parts: Sequence[tuple[np.ndarray, np.ndarray]], *,
+                  frozen: bool = False) -> "OuterIds":
+        """The same, from parts that are already 1-D int64 arrays (the connector's: not
+        converted again); anything else goes through the checked constructor."""
+        for s, c in parts:
+            if not (type(s) is np.ndarray and type(c) is np.ndarray and s.dtype == np.int64
+                    and c.dtype == np.int64 and s.ndim == 1 and c.ndim == 1):
+                return cls(parts, frozen=frozen)
+        self = cls.__new__(cls)
+        kept = tuple([(s, c) for s, c in parts if s.size and c.size])
+        self.parts = kept
+        self.size = sum([s.size * c.size for s, c in kept])
+        self._flat = None
+        self.frozen = frozen
+        return self
+
+    def __init__(self, parts: Sequence[tuple[Any, Any]], *, frozen: bool = False) -> None:
         kept = []
         for starts, cols in parts:
             s, c = _int64(starts, "row starts"), _int64(cols, "columns")
@@ -57,6 +77,7 @@ class OuterIds:
         self.parts: tuple[tuple[np.ndarray, np.ndarray], ...] = tuple(kept)
         self.size = sum(s.size * c.size for s, c in kept)
         self._flat: np.ndarray | None = None
+        self.frozen = frozen
 
     @property
     def shape(self) -> tuple[int]:
@@ -121,7 +142,8 @@ class _Pair:
     the rows of every part concatenated (for the joins between rows)."""
 
     __slots__ = ("keep", "local", "remote", "equal", "col_bytes", "joins", "row_part",
-                 "l_at0", "l_stride", "l_len", "r_at0", "r_stride", "r_len", "l_end0", "r_end0")
+                 "l_at0", "l_stride", "l_len", "r_at0", "r_stride", "r_len", "l_end0", "r_end0",
+                 "l_shift", "r_shift", "shape")
 
     def __init__(self, local: list[_Rows], remote: list[_Rows], keep: Any) -> None:
         self.keep, self.local, self.remote = keep, local, remote
@@ -144,30 +166,99 @@ class _Pair:
                                                  cat([b.stride for b in remote]),
                                                  cat([b.length for b in remote]))
         self.l_end0, self.r_end0 = self.l_at0 + self.l_len, self.r_at0 + self.r_len
+        # what the answers depend on besides the columns (see _shape_of): transfers over
+        # pairs of the same shape with the same columns get the same answers
+        self.l_shift = int(self.l_at0[0]) if self.l_at0.size else 0
+        self.r_shift = int(self.r_at0[0]) if self.r_at0.size else 0
+        self.shape = _shape_of(self)
+
+
+_SHAPES: dict[tuple[Any, ...], int] = {}  # interned pair shapes -> small int
+_SHAPE_NUMBERS = itertools.count()  # never reused, also after _SHAPES is cleared
+# shape -> (columns, answer) of the last transfer of that shape whose columns cannot change
+# (a request's transfers to the ranks of an engine come one after another)
+_RESULTS: dict[int, tuple[list[np.ndarray], Any]] = {}
+
+
+def _shape_of(pair: _Pair) -> int:
+    """A number naming everything :func:`outer_pairs` derives from a pair besides the
+    columns: the column bounds and kinds, bytes per column, the join classes, and both
+    sides' rows relative to their first row's address (rows whose addresses differ only by
+    one shift per side -- the ranks of an engine -- have the same shape)."""
+    key: list[Any] = [pair.equal, tuple(pair.col_bytes), pair.row_part.tobytes()]
+    for a, b, classes in zip(pair.local, pair.remote, pair.joins):
+        key += (a.col_lo, a.col_hi, a.plain, b.col_lo, b.col_hi, b.plain,
+                tuple(tuple(c) for c in classes))
+    for at0, shift, stride, length in ((pair.l_at0, pair.l_shift, pair.l_stride, pair.l_len),
+                                       (pair.r_at0, pair.r_shift, pair.r_stride, pair.r_len)):
+        key += ((at0 - shift).tobytes(), stride.tobytes(), length.tobytes())
+    tkey = tuple(key)
+    got = _SHAPES.get(tkey)
+    if got is None:
+        if len(_SHAPES) >= _CACHE_LIMIT:
+            _SHAPES.clear()
+            _RESULTS.clear()
+        got = _SHAPES[tkey] = next(_SHAPE_NUMBERS)
+    return got
 
 
 _CACHE_LIMIT = 4096  # pairs of (list, row starts) remembered; a run has a handful
+
+
+class _Answer:
+    """What :func:`outer_pairs` derives for a pair shape and columns: the bytes, NIXL's
+    coalesced count, and each side's byte runs relative to its first row (made when asked)."""
+
+    __slots__ = ("nbytes", "coalesced", "ext")
+
+    def __init__(self, nbytes: int, coalesced: int) -> None:
+        self.nbytes, self.coalesced = nbytes, coalesced
+        self.ext: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 
 class OuterPairs:
     """What :func:`outer_pairs` derived: the bytes, NIXL's coalesced count and each side's
     per-descriptor byte runs (computed when asked)."""
 
-    def __init__(self, pair: _Pair, lo: OuterIds, ro: OuterIds, nbytes: int,
-                 coalesced: int) -> None:
-        self.pair, self.lo, self.ro, self.nbytes, self.coalesced = pair, lo, ro, nbytes, coalesced
+    __slots__ = ("pair", "lo", "ro", "answer")
+
+    def __init__(self, pair: _Pair, lo: OuterIds, ro: OuterIds, answer: _Answer) -> None:
+        self.pair, self.lo, self.ro, self.answer = pair, lo, ro, answer
+
+    @property
+    def nbytes(self) -> int:
+        return self.answer.nbytes
+
+    @property
+    def coalesced(self) -> int:
+        return self.answer.coalesced
+
+    def runs_key(self, side: str) -> tuple[Any, str, int]:
+        """(answer, side, shift): transfers with the same answer object and side have the
+        same byte runs on that side up to ``shift`` (the side's first row address), which
+        :meth:`extents` adds."""
+        return (self.answer, side, self.pair.l_shift if side == "local" else self.pair.r_shift)
 
     def extents(self, side: str) -> tuple[np.ndarray, np.ndarray]:
-        """(addresses, lengths) int64, one per descriptor of one side, in id-list order."""
-        rows, ids = ((self.pair.local, self.lo) if side == "local"
-                     else (self.pair.remote, self.ro))
-        addrs, lengths = [], []
-        for r, (_, cols) in zip(rows, ids.parts):
-            addrs.append((r.at0[:, None] + cols[None, :] * r.stride[:, None]).reshape(-1))
-            lengths.append(np.repeat(r.length, cols.size))
-        if len(addrs) == 1:
-            return addrs[0], lengths[0]
-        return np.concatenate(addrs), np.concatenate(lengths)
+        """(addresses, lengths) int64, one per descriptor of one side, in id-list order (the
+        lengths array is shared and read-only)."""
+        local = side == "local"
+        shift = self.pair.l_shift if local else self.pair.r_shift
+        got = self.answer.ext.get(side)
+        if got is None:
+            rows, ids = (self.pair.local, self.lo) if local else (self.pair.remote, self.ro)
+            addrs, lengths = [], []
+            for r, (_, cols) in zip(rows, ids.parts):
+                addrs.append(((r.at0 - shift)[:, None] + cols[None, :] * r.stride[:, None]
+                              ).reshape(-1))
+                lengths.append(np.repeat(r.length, cols.size))
+            if len(addrs) == 1:
+                got = (addrs[0], lengths[0])
+            else:
+                got = (np.concatenate(addrs), np.concatenate(lengths))
+            got[0].flags.writeable = got[1].flags.writeable = False
+            self.answer.ext[side] = got
+        return got[0] + shift, got[1]
 
 
 def _rows(dl: AffineList, starts: np.ndarray, cache: dict[Any, Any]) -> _Rows:
@@ -234,6 +325,27 @@ def outer_pairs(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterId
                                   [_rows(remote, s, cache) for s, _ in parts_r],
                                   (local, remote, [a[0] for a in parts_l],
                                    [b[0] for b in parts_r]))
+    # the same shape and the same columns: the same answer (a request's transfers to the
+    # ranks of an engine). Remembered only for frozen columns (never modified: the
+    # connector's paired ids), by identity
+    cols = [c for _, c in parts_l] + [c for _, c in parts_r]
+    got = _RESULTS.get(pair.shape)  # the last answer for this shape, and its columns
+    if got is not None and len(got[0]) == len(cols):
+        for a, b in zip(got[0], cols):
+            if a is not b:
+                break
+        else:
+            return None if got[1] is None else OuterPairs(pair, lo, ro, got[1])
+    answer = _answer(pair, parts_l, parts_r, lo.size)
+    if lo.frozen and ro.frozen:  # remembered (the entry keeps the columns: ids stay theirs)
+        _RESULTS[pair.shape] = (cols, answer)
+    return None if answer is None else OuterPairs(pair, lo, ro, answer)
+
+
+def _answer(pair: _Pair, parts_l: tuple[tuple[np.ndarray, np.ndarray], ...],
+            parts_r: tuple[tuple[np.ndarray, np.ndarray], ...], size: int) -> _Answer | None:
+    """The checks and counts of :func:`outer_pairs` for one pair and columns (None: the
+    structure does not settle them)."""
     if not pair.equal:
         return None
     nbytes = within = 0
@@ -263,4 +375,4 @@ def outer_pairs(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterId
         head_l = pair.l_at0 + fl * pair.l_stride
         head_r = pair.r_at0 + fr * pair.r_stride
         between = int(np.count_nonzero((head_l[1:] == tail_l[:-1]) & (head_r[1:] == tail_r[:-1])))
-    return OuterPairs(pair, lo, ro, nbytes, lo.size - within - between)
+    return _Answer(nbytes, size - within - between)

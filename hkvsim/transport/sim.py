@@ -12,6 +12,7 @@ such lists go stale, as local lists over deregistered memory do).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
@@ -116,7 +117,10 @@ class SimWorld:
         # (landed=False) and when its bytes land (landed=True):
         # guard(destination agent, absolute addresses, lengths, owner, landed, memo=dict) -> True
         # when some destination block is not its owner's (memo: the same dict at posting and at
-        # landing of one transfer, for what the guard derives from the fixed addresses). The driver uses it to flag transfers aimed at
+        # landing of one transfer, for what the guard derives from the fixed addresses; when
+        # it holds "runs" (token, side, first address) -- equal tokens and sides name equal runs
+        # up to that address -- the addresses and lengths may be None, and its "extents" gives
+        # them: the guard may know the runs' blocks by their key). The driver uses it to flag transfers aimed at
         # blocks their request does not hold (stray writes) and bytes landing in blocks their
         # request no longer holds (late landings).
         self.post_owner: Any = None
@@ -348,7 +352,13 @@ class SimTransport:
                   coalesced=pairs.coalesced() if coalesces("prepped") else int(li.size),
                   handle=handle)
         if self.world.landing_guard is not None and li.size:  # derive it while runs are known
-            self._set_landing(x, *pairs.extents("local" if op == "READ" else "remote"))
+            side = "local" if op == "READ" else "remote"
+            runs = pairs.runs_key(side)
+            if runs is None:
+                self._set_landing(x, *pairs.extents(side))
+            else:  # the guard may know the runs' blocks by their key: addresses when asked
+                self._set_landing(x, None, None, runs=runs,
+                                  extents=functools.partial(pairs.extents, side))
         self._xfers[handle] = x
         return handle
 
@@ -493,12 +503,22 @@ class SimTransport:
         dst, addrs, lengths, memo = x.landing
         return bool(guard(dst, addrs, lengths, x.owner, landed, memo=memo))
 
-    def _set_landing(self, x: _Xfer, addrs: np.ndarray, lengths: np.ndarray) -> None:
+    def _set_landing(self, x: _Xfer, addrs: np.ndarray | None, lengths: np.ndarray | None,
+                     runs: Any = None, extents: Callable[[], Any] | None = None) -> None:
         """The destination byte runs of ``x``, for the landing guard: (agent, addresses,
         lengths, guard memo); the destination is the local side of a READ, the remote one of
-        a WRITE."""
+        a WRITE. ``runs``: a key naming the runs up to their first address (the memo's
+        "runs": (token, side, shift); equal tokens and sides, equal runs minus shift); then
+        the addresses and lengths may be None and ``extents`` (the memo's "extents") gives
+        them when the guard asks."""
         dst = self.name if x.op == "READ" else x.remote.agent
-        x.landing = (dst, addrs, lengths, {})
+        memo: dict[str, Any] = {}
+        if runs is not None:
+            memo["runs"] = runs
+        if addrs is None:
+            assert runs is not None and extents is not None
+            memo["extents"] = extents
+        x.landing = (dst, addrs, lengths, memo)
 
     def _move(self, x: _Xfer, me: _Agent, remote: _Agent) -> None:
         ld, rd = list_rows(x.local.descs, x.local_ids), list_rows(x.remote.descs, x.remote_ids)

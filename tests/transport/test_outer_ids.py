@@ -170,3 +170,60 @@ def test_bad_outer_ids_are_refused() -> None:
     with pytest.raises(ValueError, match="must be 1-D"):
         OuterIds([(np.zeros((2, 2), np.int64), np.array([1]))])
     assert OuterIds([(np.array([3]), np.zeros(0, np.int64))]).size == 0
+
+
+def _frozen_ids(dl: AffineList, cols_a: np.ndarray, cols_s: np.ndarray) -> OuterIds:
+    first = dl.first
+    return OuterIds([(first[:4], cols_a), (first[4:7], cols_s)], frozen=True)
+
+
+def _shifted(dl: AffineList, shift: int) -> AffineList:
+    return AffineList(counts=dl.counts, base=dl.base + shift, stride=dl.stride,
+                      length=dl.length, sub=dl.sub, sub_stride=dl.sub_stride, device=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_answers_shared_across_lists_of_one_shape(seed: int) -> None:
+    """Frozen columns over lists that differ only by a shift per side (the ranks of an
+    engine) share one answer; lists of another shape (other gaps between regions) do not.
+    Every answer, and every side's byte runs, is what the flat ids give."""
+    rng = np.random.default_rng(100 + seed)
+    la, ra = _list(rng, 1 << 30, plain=True), _list(rng, 1 << 32, plain=True)
+    other = _list(np.random.default_rng(200 + seed), 1 << 30, plain=True)  # other gaps
+    k = int(rng.integers(2, 30))
+    cols = [_cols(rng, k, 40), _cols(rng, 2, 10)]
+    rcols = cols if seed % 2 else [_cols(rng, k, 40), _cols(rng, 2, 10)]
+    cases = [(la, ra), (_shifted(la, 1 << 36), _shifted(ra, 3 << 36)),
+             (_shifted(la, 5 << 36), ra), (other, ra), (la, ra)]
+    answers = []
+    for local, remote in cases:
+        lo, ro = _frozen_ids(local, *cols), _frozen_ids(remote, *rcols)
+        pairs = check_pairs(local, lo, remote, ro, what="t", outer_cache={})
+        assert pairs._outer is not None
+        answers.append(pairs._outer.answer)
+        lref, rref = local.materialise(), remote.materialise()
+        li, ri = lo.flat(), ro.flat()
+        assert (pairs.nbytes, pairs.coalesced()) == _pair_reference(lref[li], rref[ri])
+        for side, ref, ids in (("local", lref, li), ("remote", rref, ri)):
+            addrs, lengths = pairs.extents(side)
+            assert addrs.tolist() == ref[ids, 0].astype(np.int64).tolist()
+            assert lengths.tolist() == ref[ids, 1].astype(np.int64).tolist()
+    assert answers[1] is answers[0] and answers[2] is answers[0]  # shifted lists: shared
+
+
+def test_columns_not_frozen_are_never_answered_from_memory() -> None:
+    """Columns not declared frozen may change in place: they are checked anew on every call,
+    so an id moved out of range after a first, valid transfer is refused with the flat
+    path's message."""
+    rng = np.random.default_rng(3)
+    la, ra = _list(rng, 1 << 30, plain=True), _list(rng, 1 << 32, plain=True)
+    cols = np.array([1, 2, 3], dtype=np.int64)
+    slots = np.array([3], dtype=np.int64)
+    lo, ro = _ids(la, cols, slots), _ids(ra, cols, slots)
+    cache: dict = {}
+    assert check_pairs(la, lo, ra, ro, what="t", outer_cache=cache)._outer is not None
+    slots[0] = 30  # past the state segments: out of range
+    lo, ro = _ids(la, cols, slots), _ids(ra, cols, slots)
+    got = _message(lambda: check_pairs(la, lo, ra, ro, what="t", outer_cache=cache))
+    assert got == _message(lambda: check_pairs(la, lo.flat(), ra, ro.flat(), what="t"))
+    assert "out of range" in got
