@@ -90,6 +90,7 @@ class HostFit:
     peer_poll_idle_us: float = 0.0  # 0: completions do not wait for the remote's progress
     peer_poll_busy_us: float = 0.0
     coordinator_call_us: float = 0.0  # 0: the coordinator's CPU is not modelled
+    rank_dispatch_unprepped_us: float = 0.0  # 0: rank_dispatch_us for every transfer
 
     def overrides(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -105,6 +106,8 @@ class HostFit:
             out["peer_poll_busy_us"] = self.peer_poll_busy_us
         if self.coordinator_call_us:
             out["coordinator_call_us"] = self.coordinator_call_us
+        if self.rank_dispatch_unprepped_us:
+            out["rank_dispatch_unprepped_us"] = self.rank_dispatch_unprepped_us
         return out
 
 
@@ -172,7 +175,8 @@ def fit_host(scenarios: Sequence[Any], real: Sequence[float], *, cores: int,
              dispatch_grid: Sequence[float] = (0.0,),
              oracle_core_gbps: float | None = None,
              peer_poll_us: tuple[float, float] = (0.0, 0.0),
-             coordinator_call_us: float = 0.0) -> tuple[HostFit, list[float]]:
+             coordinator_call_us: float = 0.0,
+             dispatch_unprepped_us: float = 0.0) -> tuple[HostFit, list[float]]:
     """The (per-core rate, rank dispatch, completion notice) grid point that best predicts
     ``real`` (seconds, one per scenario) and the simulated times of the FIT files with it
     (module docstring, step 3); ties go to the point met first (grid order). The calibration
@@ -184,7 +188,8 @@ def fit_host(scenarios: Sequence[Any], real: Sequence[float], *, cores: int,
         for dispatch in dispatch_grid:
             for notice in notice_grid:
                 trial = HostFit(cores, gbps, notice, coordinator_message_us, dispatch,
-                                oracle_core_gbps, *peer_poll_us, coordinator_call_us)
+                                oracle_core_gbps, *peer_poll_us, coordinator_call_us,
+                                dispatch_unprepped_us)
                 sims = [_sim(s, profile, trial.overrides()) for s in scenarios]
                 cost = statistics.fmean(abs(math.log(s / r)) for s, r in zip(sims, real))
                 if best is None or cost < best[0]:
@@ -200,32 +205,65 @@ def rank_poll_periods_us() -> tuple[float, float]:
     return round(rank._IDLE_POLL_S * 1e6, 3), round(rank._BUSY_POLL_S * 1e6, 3)
 
 
-def measured_cpu(results: Sequence[FileResult]) -> dict[str, Any]:
-    """What the real rank processes of ``results`` (FIT runs) spent, per core (pd/cpu.py):
-    ``oracle_core_gbps`` (oracle bytes over the CPU of the fills and checks; None when no run
-    ran the oracle), ``rank_dispatch_us`` (CPU of the StartRead / StartWrite operations less
-    the CPU inside their post calls, per post) and ``coordinator_call_us`` (the coordinator
-    process's CPU over the runs per call it sent a rank), with the totals they come from."""
+def _dispatch_us(results: Sequence[FileResult]) -> float | None:
+    """CPU of the StartRead / StartWrite operations less the CPU inside their post calls, per
+    post, over ``results`` (None when they posted nothing)."""
     from .pd.cpu import merge_rank_cpu
 
     total = merge_rank_cpu([r.rank_cpu for r in results if r.rank_cpu])
     ops = total["by_op"]
-    oracle_cpu = sum(ops.get(k, [0, 0.0, 0])[1] for k in ("OracleWrite", "Verify"))
-    oracle_b = sum(ops.get(k, [0, 0.0, 0])[2] for k in ("OracleWrite", "Verify"))
     start_cpu = sum(ops.get(k, [0, 0.0, 0])[1] for k in ("StartRead", "StartWrite"))
+    if not total["posts"]:
+        return None
+    return round(max(start_cpu - float(total["post_cpu_seconds"]), 0.0)
+                 / int(total["posts"]) * 1e6, 1)
+
+
+def measured_cpu(results: Sequence[FileResult],
+                 unprepped: Sequence[bool] | None = None) -> dict[str, Any]:
+    """What the real processes of ``results`` (FIT runs) spent, per core (pd/cpu.py):
+    ``oracle_core_gbps`` (oracle bytes over the CPU of the fills and checks; None when no run
+    ran the oracle), ``rank_dispatch_us`` (CPU of the StartRead / StartWrite operations less
+    the CPU inside their post calls, per post) and ``coordinator_call_us`` (the coordinator
+    process's CPU over the runs per call it sent a rank), with the totals they come from.
+    ``unprepped`` (one flag per result): the file posts transfers made from raw descriptors
+    (``descriptor_merge`` contiguous or strided), whose lists NIXL prepares on each call; with
+    files of both kinds, ``rank_dispatch_us`` comes from the others and
+    ``rank_dispatch_unprepped_us`` from these (else None)."""
+    from .pd.cpu import merge_rank_cpu
+
+    total = merge_rank_cpu([r.rank_cpu for r in results if r.rank_cpu])
+    ops = total["by_op"]
+
+    def cpu(*names: str) -> float:
+        return sum(ops.get(k, [0, 0.0, 0])[1] for k in names)
+
+    oracle_cpu = cpu("OracleWrite", "Verify")
+    oracle_b = sum(ops.get(k, [0, 0.0, 0])[2] for k in ("OracleWrite", "Verify"))
+    start_cpu = cpu("StartRead", "StartWrite")
     posts = int(total["posts"])
     if posts == 0 or start_cpu <= 0:
         raise ValidationError("the FIT runs' ranks reported no post calls or no StartRead / "
                               "StartWrite CPU (a real backend that does not count them?); "
                               "allowed: FIT files run on hkvsim's NIXL backend")
-    dispatch = max(start_cpu - float(total["post_cpu_seconds"]), 0.0) / posts
+    dispatch = _dispatch_us(results)
+    flags = list(unprepped) if unprepped is not None else [False] * len(results)
+    prepped = [r for r, raw in zip(results, flags) if not raw]
+    raw_lists = [r for r, raw in zip(results, flags) if raw]
+    dispatch_unprepped = None
+    if prepped and raw_lists:
+        dispatch = _dispatch_us(prepped) or dispatch
+        dispatch_unprepped = _dispatch_us(raw_lists)
     coordinator = total.get("coordinator") or {"calls": 0, "cpu_seconds": 0.0}
     calls = int(coordinator["calls"])
-    return {"coordinator_call_us": round(coordinator["cpu_seconds"] / calls * 1e6, 1)
-            if calls else 0.0, "coordinator_calls": calls,
-            "coordinator_cpu_seconds": float(coordinator["cpu_seconds"]),"oracle_core_gbps": round(oracle_b / oracle_cpu / 1e9, 4)
+    return {"rank_dispatch_us": dispatch, "rank_dispatch_unprepped_us": dispatch_unprepped,
+            "unprepped_files": len(raw_lists),
+            "oracle_core_gbps": round(oracle_b / oracle_cpu / 1e9, 4)
             if oracle_b and oracle_cpu > 0 else None,
-            "rank_dispatch_us": round(dispatch * 1e6, 1),
+            "coordinator_call_us": round(coordinator["cpu_seconds"] / calls * 1e6, 1)
+            if calls else 0.0,
+            "coordinator_calls": calls,
+            "coordinator_cpu_seconds": float(coordinator["cpu_seconds"]),
             "oracle_bytes": oracle_b, "oracle_cpu_seconds": oracle_cpu,
             "start_ops": sum(ops.get(k, [0, 0.0, 0])[0] for k in ("StartRead", "StartWrite")),
             "start_cpu_seconds": start_cpu, "posts": posts,
@@ -241,6 +279,11 @@ def _dispatch_lines(fit: HostFit) -> str:
 # NIXL request): measured in the FIT runs' rank processes (CPU of StartRead / StartWrite less
 # the CPU inside their post calls, per post).
 rank_dispatch_us = {fit.rank_dispatch_us}
+"""
+    if fit.rank_dispatch_unprepped_us:
+        out += f"""# The same for a transfer made from raw descriptors (descriptor_merge contiguous / strided:
+# NIXL prepares its lists on each call), measured on the FIT files that merge.
+rank_dispatch_unprepped_us = {fit.rank_dispatch_unprepped_us}
 """
     if fit.coordinator_call_us:
         out += f"""# The coordinator's CPU per call it sends a rank (on its one thread and a core), measured:
@@ -350,8 +393,9 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
     coord_us = round(measure_coordinator_message() * 1e6, 1)
     say(f"coordinator message {coord_us} us")
     fit_real = validate(fit_files, repeats=repeats, progress=say, profile=profile_in)
-    cpu = measured_cpu(fit_real)
-    say(f"measured in the FIT runs: dispatch {cpu['rank_dispatch_us']} us per post, oracle "
+    cpu = measured_cpu(fit_real, [s.connector.descriptor_merge != "off" for s in fit_scen])
+    say(f"measured in the FIT runs: dispatch {cpu['rank_dispatch_us']} us per post "
+        f"({cpu['rank_dispatch_unprepped_us']} us from raw descriptors), oracle "
         f"{cpu['oracle_core_gbps']} GB/s per core, coordinator {cpu['coordinator_call_us']} us "
         "per call")
     real = [r.real_median for r in fit_real]
@@ -359,7 +403,8 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
                              profile=profile_in, oracle_core_gbps=cpu["oracle_core_gbps"],
                              dispatch_grid=(cpu["rank_dispatch_us"],),
                              peer_poll_us=rank_poll_periods_us(),
-                             coordinator_call_us=cpu["coordinator_call_us"])
+                             coordinator_call_us=cpu["coordinator_call_us"],
+                             dispatch_unprepped_us=cpu["rank_dispatch_unprepped_us"] or 0.0)
     say(f"fit: {fit}")
     loads = [x for r in fit_real for x in r.loads] + [load0]
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -431,9 +476,14 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
         f"{GRID_GBPS[0]}..{GRID_GBPS[-1]} GB/s, x1.5625), with the notice: smallest mean "
         "\\|log(sim / real)\\| |",
         f"| rank_dispatch_us | {fit['rank_dispatch_us']} | measured in the FIT runs' ranks: CPU "
-        f"of {cpu['start_ops']:,} StartRead / StartWrite ({1e3 * cpu['start_cpu_seconds']:.1f} "
-        f"ms) less the CPU inside their {cpu['posts']:,} post calls "
-        f"({1e3 * cpu['post_cpu_seconds']:.1f} ms), per post |",
+        "of StartRead / StartWrite less the CPU inside their post calls, per post, on the FIT "
+        "files posting prepared lists (all FIT files together: "
+        f"{cpu['start_ops']:,} operations, {1e3 * cpu['start_cpu_seconds']:.1f} ms, of which "
+        f"{1e3 * cpu['post_cpu_seconds']:.1f} ms in {cpu['posts']:,} post calls) |",
+        f"| rank_dispatch_unprepped_us | {fit['rank_dispatch_unprepped_us'] or '-'} | measured "
+        f"the same way on the {cpu['unprepped_files']} FIT file(s) whose transfers are made from "
+        "raw descriptors (descriptor_merge contiguous / strided); rank_dispatch_us from the "
+        "others |",
         f"| coordinator_call_us | {fit['coordinator_call_us']} | measured in the FIT runs: the "
         f"coordinator process's CPU ({1e3 * cpu['coordinator_cpu_seconds']:.1f} ms) over the "
         f"{cpu['coordinator_calls']:,} calls it sent |",

@@ -144,6 +144,37 @@ def test_oracle_work_holds_the_ranks_thread() -> None:
     assert other.value.post_start == 0.0
 
 
+def test_transfers_from_raw_descriptors_dispatch_longer() -> None:
+    env, fabric = _fabric({**HOST, "rank_dispatch_us": 100.0,
+                           "rank_dispatch_unprepped_us": 700.0})
+    prepped = fabric.transfer(initiator="a", src="a", dst="b", nbytes=10, descriptors=1)
+    raw = fabric.transfer(initiator="c", src="c", dst="d", nbytes=10, descriptors=1,
+                          unprepped=True)
+    env.run()
+    assert prepped.value.post_start == pytest.approx(100e-6)
+    assert raw.value.post_start == pytest.approx(700e-6)
+    env, fabric = _fabric({**HOST, "rank_dispatch_us": 100.0})  # no split: one dispatch
+    raw = fabric.transfer(initiator="c", src="c", dst="d", nbytes=10, descriptors=1,
+                          unprepped=True)
+    env.run()
+    assert raw.value.post_start == pytest.approx(100e-6)
+
+
+def test_the_simulator_marks_merged_transfers_unprepped() -> None:
+    from hkvsim.results import result_json
+
+    base = {**HOST, "host_copy_core_gbps": 5.0, "rank_dispatch_us": 100.0}
+    for file, merged in (("scenarios/validation/kl-pull-1to2-off.toml", False),
+                         ("scenarios/fit/deepseek-pull-1to4-contiguous.toml", True)):
+        times = []
+        for extra in ({}, {"rank_dispatch_unprepped_us": 900.0}):
+            data = result_json(_driver(file, {**base, **extra}).run(), requests=True)
+            times.append([t["submitted"] for r in data["request_details"]
+                          for t in r["telemetry"]])
+            times[-1] = data["request_details"][-1]["times"]["transfer_done"]
+        assert (times[1] > times[0]) is merged, file
+
+
 def test_the_coordinators_work_is_serial() -> None:
     env, fabric = _fabric({**HOST, "host_copy_cores": 4})
     done = [fabric.coordinator_work(1e-3) for _ in range(3)]
@@ -219,6 +250,12 @@ def test_calibration_derives_dispatch_oracle_and_coordinator_from_the_real_ranks
     assert cpu["rank_dispatch_us"] == pytest.approx((0.028 - 0.012) / 40 * 1e6)  # 400 us
     assert cpu["oracle_core_gbps"] == pytest.approx(16e6 / 0.008 / 1e9)  # 2 GB/s
     assert cpu["coordinator_call_us"] == pytest.approx(0.020 / 100 * 1e6)  # 200 us
+    # files posting raw descriptors (merging) measured apart from those posting prepared lists
+    raw = {**one, "by_op": {"StartRead": [10, 0.030, 0]}, "posts": 10, "post_cpu_seconds": 0.010}
+    split = measured_cpu([result(one), result(raw)], [False, True])
+    assert split["rank_dispatch_us"] == pytest.approx((0.014 - 0.006) / 20 * 1e6)  # 400 us
+    assert split["rank_dispatch_unprepped_us"] == pytest.approx(0.020 / 10 * 1e6)  # 2 ms
+    assert measured_cpu([result(one)], [False])["rank_dispatch_unprepped_us"] is None
     timing_only = {**one, "by_op": {"StartRead": [10, 0.010, 0]}}
     assert measured_cpu([result(timing_only)])["oracle_core_gbps"] is None
     with pytest.raises(ValidationError, match="no post calls"):

@@ -222,15 +222,17 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
 
     monkeypatch.setattr(vf, "validate", fake_validate)
     monkeypatch.setattr(vf, "measure_coordinator_message", lambda: 10e-6)
-    monkeypatch.setattr(vf, "measured_cpu", lambda results: {
+    monkeypatch.setattr(vf, "measured_cpu", lambda results, unprepped: {
         "oracle_core_gbps": 4.0, "rank_dispatch_us": 200.0, "oracle_bytes": 4e6,
+        "rank_dispatch_unprepped_us": 600.0, "unprepped_files": 1,
         "oracle_cpu_seconds": 1e-3, "start_ops": 10, "start_cpu_seconds": 3e-3, "posts": 10,
         "post_cpu_seconds": 1e-3, "coordinator_call_us": 50.0, "coordinator_calls": 20,
         "coordinator_cpu_seconds": 1e-3})
     monkeypatch.setattr(vf, "check_load", lambda force: (0.5, 2))
     monkeypatch.setattr(vf, "fit_host", lambda sc, real, **kw: (
         vf.HostFit(2, 1.0, 100.0, kw["coordinator_message_us"], kw["dispatch_grid"][0],
-                   kw["oracle_core_gbps"], *kw["peer_poll_us"], kw["coordinator_call_us"]),
+                   kw["oracle_core_gbps"], *kw["peer_poll_us"], kw["coordinator_call_us"],
+                   kw["dispatch_unprepped_us"]),
         [1e-3] * len(real)))
     out = tmp_path / "out.toml"
     result = vf.calibrate_host(fit_files, held_files, profile_in=ROOT / "hkvsim/fabric/"
@@ -242,7 +244,8 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
     if accepted:
         written = load_profile(out)
         assert written.host_cores == 2 and written.oracle_core_bandwidth == pytest.approx(4e9)
-        assert written.rank_dispatch == pytest.approx(200e-6)  # the measured one
+        assert written.rank_dispatch == pytest.approx(200e-6)  # the measured ones
+        assert written.rank_dispatch_unprepped == pytest.approx(600e-6)
         assert (written.peer_poll_idle, written.peer_poll_busy) == (1e-3, 1e-4)  # rank.py's
         assert written.coordinator_call == pytest.approx(50e-6)
         assert result["refused"] is None and "accepted: profile written" in report

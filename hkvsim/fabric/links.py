@@ -20,7 +20,8 @@ Model of one ``Fabric.transfer``:
    own thread copies the bytes inside its post and poll calls, so the copy is CPU work, not a
    flow. Each node has a FIFO pool of ``host_copy_cores`` cores shared by all its ranks; a
    transfer waits for its rank's thread, then for a core of its node, and holds both for
-   ``rank_dispatch`` (the rank's work before the post), the post, and ``nbytes /
+   ``rank_dispatch`` (the rank's work before the post; ``rank_dispatch_unprepped`` for a
+   transfer made from raw descriptors, whose lists NIXL prepares on the call), the post, and ``nbytes /
    host_copy_core_bandwidth`` (the copy). Concurrent transfers of the node beyond its cores queue
    for one, which is what the ranks of a request see on a machine with fewer cores than ranks.
    With ``peer_poll_*`` the transfer then completes no earlier than the remote agent's first
@@ -254,11 +255,14 @@ class Fabric:
         nbytes: int,
         descriptors: int,
         peer_progress: Callable[[float], float] | None = None,
+        unprepped: bool = False,
     ) -> simpy.Event:
         """Post and move ``nbytes`` from ``src`` to ``dst``; the initiator's CPU posts it.
 
         ``peer_progress(t)`` (host path only): when the remote agent first progresses at or
         after time ``t``; the transfer completes no earlier than that after its post started.
+        ``unprepped`` (host path only): made from raw descriptors (``make_xfer``), so the rank's
+        dispatch is ``rank_dispatch_unprepped`` when the profile gives one.
 
         Returns an event that succeeds with a :class:`TransferTiming` once the data has fully
         arrived at ``dst``. ``nbytes == 0`` costs the post and the path latency only.
@@ -270,8 +274,11 @@ class Fabric:
         poster = self.endpoint(initiator)
         links, latency = self._route(src, dst)
         if self.profile.host_cores is not None:
+            p = self.profile
+            dispatch = (p.rank_dispatch_unprepped if unprepped and p.rank_dispatch_unprepped
+                        else p.rank_dispatch)
             return self.env.process(self._host_transfer(poster, links, latency, n, d,
-                                                        peer_progress))
+                                                        peer_progress, dispatch))
         return self.env.process(self._transfer(poster, links, latency, n, d))
 
     def notify(self, src: Hashable, dst: Hashable) -> simpy.Event:
@@ -363,6 +370,7 @@ class Fabric:
         nbytes: int,
         descriptors: int,
         peer_progress: Callable[[float], float] | None = None,
+        dispatch: float = 0.0,
     ) -> Generator[simpy.Event, Any, TransferTiming]:
         """A host-path transfer: dispatch, post and copy on one core of the initiator's node,
         after the rank's thread and a core are free; then (with ``peer_progress``) the wait for
@@ -373,8 +381,8 @@ class Fabric:
             yield req
             with self._node_cores(poster.node).request() as core:
                 yield core
-                if p.rank_dispatch:
-                    yield env.timeout(p.rank_dispatch)
+                if dispatch:
+                    yield env.timeout(dispatch)
                 post_start = env.now
                 yield env.timeout(p.post_time(descriptors))
                 post_end = wire_start = env.now

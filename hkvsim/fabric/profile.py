@@ -25,6 +25,9 @@ Optional host-path keys (absent = not modelled; the GPU profiles leave them out)
 * ``rank_dispatch_us`` (only with ``host_copy_cores``): the CPU time a rank spends on a transfer
   before posting it (taking the coordinator's order, planning descriptors, preparing the
   request), on the core it then posts and copies from. Absent = 0.
+* ``rank_dispatch_unprepped_us`` (only with ``host_copy_cores``): the same for a transfer made
+  from raw descriptors (``make_xfer``: ``descriptor_merge`` contiguous or strided), whose lists
+  NIXL prepares on each call. Absent = ``rank_dispatch_us``.
 * ``peer_poll_idle_us`` and ``peer_poll_busy_us`` (both or neither, only with
   ``host_copy_cores``): on UCX cma a posted transfer completes only once the remote agent's
   worker has progressed since the post (the remote rank's next call into NIXL). A rank process
@@ -140,6 +143,8 @@ _SCHEMA: Final[tuple[_Field, ...]] = (
     _Field("host_copy_cores", "host_copy_cores", "int", optional=True),
     _Field("host_copy_core_bandwidth", "host_copy_core_gbps", "float", "gbps", optional=True),
     _Field("rank_dispatch", "rank_dispatch_us", "float", "us", optional=True),
+    _Field("rank_dispatch_unprepped", "rank_dispatch_unprepped_us", "float", "us",
+           optional=True),
     _Field("coordinator_call", "coordinator_call_us", "float", "us", optional=True),
     _Field("oracle_core_bandwidth", "oracle_core_gbps", "float", "gbps", optional=True),
     _Field("peer_poll_idle", "peer_poll_idle_us", "float", "us", optional=True),
@@ -218,6 +223,7 @@ class FabricProfile:
     host_copy_cores: int | None = None  # CPU cores of a node that do the copies
     host_copy_core_bandwidth: float | None = None  # bytes/s one core copies
     rank_dispatch: float = 0.0  # seconds of a rank's CPU per transfer before its post (host path)
+    rank_dispatch_unprepped: float = 0.0  # ... for a make_xfer transfer (0: rank_dispatch)
     coordinator_call: float = 0.0  # seconds of the coordinator's CPU per call it sends (host path)
     oracle_core_bandwidth: float | None = None  # bytes/s one core fills or checks (host path)
     peer_poll_idle: float = 0.0  # seconds between a remote rank's NIXL polls, idle (host path)
@@ -236,7 +242,7 @@ class FabricProfile:
         _check_host_copy(self.host_copy_cores, self.host_copy_core_bandwidth, self.memory,
                          f"FabricProfile {self.name!r}", self.rank_dispatch,
                          self.oracle_core_bandwidth, self.peer_poll_idle, self.peer_poll_busy,
-                         self.coordinator_call)
+                         self.coordinator_call, self.rank_dispatch_unprepped)
 
     @property
     def host_cores(self) -> int | None:
@@ -256,13 +262,15 @@ class FabricProfile:
 
 def _check_host_copy(cores: Any, rate: Any, memory: str, where: str,
                      dispatch: Any = None, oracle: Any = None, idle: Any = None,
-                     busy: Any = None, coordinator_call: Any = None) -> None:
+                     busy: Any = None, coordinator_call: Any = None,
+                     unprepped: Any = None) -> None:
     if bool(idle) != bool(busy):
         raise ProfileError(
             f"{where}: 'peer_poll_idle_us' and 'peer_poll_busy_us' go together: give both (a "
             "remote rank's NIXL poll periods) or neither")
     for key, value in (("rank_dispatch_us", dispatch), ("oracle_core_gbps", oracle),
-                       ("peer_poll_idle_us", idle), ("coordinator_call_us", coordinator_call)):
+                       ("peer_poll_idle_us", idle), ("coordinator_call_us", coordinator_call),
+                       ("rank_dispatch_unprepped_us", unprepped)):
         if value and cores is None:
             raise ProfileError(
                 f"{where}: {key!r} without 'host_copy_cores': it is CPU time on a node's core; "
@@ -400,5 +408,6 @@ def load_profile(
     _check_host_copy(values.get("host_copy_cores"), values.get("host_copy_core_bandwidth"),
                      values["memory"], where, values.get("rank_dispatch"),
                      values.get("oracle_core_bandwidth"), values.get("peer_poll_idle"),
-                     values.get("peer_poll_busy"), values.get("coordinator_call"))
+                     values.get("peer_poll_busy"), values.get("coordinator_call"),
+                     values.get("rank_dispatch_unprepped"))
     return FabricProfile(**values)

@@ -78,6 +78,7 @@ class _Xfer:
     owner: Any = None  # SimWorld.post_owner when the transfer was created (who it is for)
     stray: bool = False  # the landing guard found it aimed at blocks its owner does not hold
     coalesced: int = 0  # descriptors after NIXL's coalescing: what posting is charged for
+    unprepped: bool = False  # make_xfer (raw descriptors), not make_prepped_xfer
     handle: int = 0
     landing: Any = None  # (destination agent, addrs, lengths, guard memo) from the posting check
 
@@ -386,7 +387,7 @@ class SimTransport:
         self._xfers[handle] = _Xfer(op=op, local=_DList(agent=self.name, descs=ld), local_ids=ids,
                                     remote=_DList(agent=remote_agent, descs=rd), remote_ids=ids,
                                     notif=bytes(notif), nbytes=int(ld[:, 1].sum()),
-                                    rows=int(rows), owner=self.world.post_owner,
+                                    rows=int(rows), owner=self.world.post_owner, unprepped=True,
                                     # strided rows are prepared lists (coalesced); plain rows go
                                     # through initialize_xfer, which NIXL 1.5 does not coalesce
                                     coalesced=coalesced_count(ld, rd) if coalesces(
@@ -449,7 +450,7 @@ class SimTransport:
         progress = world.peer_progress
         event = world.fabric.transfer(
             initiator=me.endpoint, src=src.endpoint, dst=dst.endpoint, nbytes=int(wire_bytes),
-            descriptors=x.coalesced,
+            descriptors=x.coalesced, unprepped=x.unprepped,
             peer_progress=None if progress is None else partial(progress, x.remote.agent))
         if fault is not None and fault.kind == "fail":
             event.callbacks.append(lambda ev, x=x: self._fail(
