@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 import simpy
 
+from host_profiles import CPU_BASE
+
 from hkvsim.fabric import Endpoint, Fabric, load_profile
 from hkvsim.pd.cpu import RankCpu, merge_rank_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU = "cpu-ucx-loopback"
+CPU = str(CPU_BASE)  # the shipped profile without its host-path block
 HOST = {"host_copy_cores": 2, "host_copy_core_gbps": 1.0}
 PEER = {"peer_poll_idle_us": 1000.0, "peer_poll_busy_us": 100.0}
 
@@ -54,7 +56,7 @@ def _driver(file: str, overrides: dict[str, Any]) -> Any:
     from hkvsim.validate import with_profile
 
     scenario = load_scenarios(ROOT / file)[0]
-    return SimDriver(with_profile(scenario, None, overrides))
+    return SimDriver(with_profile(scenario, CPU_BASE, overrides))
 
 
 def test_peer_progress_is_the_expected_next_poll_of_the_remote_rank() -> None:

@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 import simpy
 
+from host_profiles import CPU_BASE
+
 from hkvsim.fabric import Endpoint, Fabric, ProfileError, load_profile
 from hkvsim.fabric.topology import route
 from hkvsim.validate import FileResult
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU = "cpu-ucx-loopback"
+CPU = str(CPU_BASE)  # the shipped profile without its host-path block
 HOST = {"host_copy_cores": 2, "host_copy_core_gbps": 1.0}
 
 
@@ -108,7 +110,7 @@ def test_oracle_work_costs_a_core_in_verified_runs_only() -> None:
     slow = {**base, "oracle_core_gbps": 0.05}  # the oracle's work swamps the copies
 
     def transfer_ms(overrides: dict[str, Any], timing_only: bool) -> float:
-        run = SimDriver(with_profile(scenario, None, overrides), timing_only=timing_only).run()
+        run = SimDriver(with_profile(scenario, CPU_BASE, overrides), timing_only=timing_only).run()
         data = result_json(run, requests=True)
         assert data["outcome"] == "ok"
         return steady_transfer_median(data) * 1e3, run
@@ -178,7 +180,7 @@ def test_host_block_replaces_itself_and_loads(tmp_path: Path) -> None:
     meta = {"when": "now", "fit_source": "scenarios/fit/", "held_out_source": "v/",
             "fit_files": 5, "repeats": 3, "load_min": 0.5, "load_max": 1.0, "forced": False,
             "held_out_median": "10 %", "held_out_worst": "30 %"}
-    base = (ROOT / "hkvsim/fabric/profiles/cpu-ucx-loopback.toml").read_text()
+    base = CPU_BASE.read_text()  # the shipped profile without its host block
     once = replace_host_block(base, host_block(HostFit(2, 1.5, 250.0, 9.0, 300.0, 4.0), meta))
     twice = replace_host_block(once, host_block(HostFit(2, 2.5, 100.0, 9.0, 400.0, 3.5, 1000.0,
                                                         100.0), meta))
@@ -192,6 +194,9 @@ def test_host_block_replaces_itself_and_loads(tmp_path: Path) -> None:
     assert p.oracle_core_bandwidth == pytest.approx(3.5e9)
     assert p.completion_overhead == pytest.approx(109e-6)
     assert replace_host_block(twice, None).strip() == base.strip()
+    # the shipped profile's own block (written by calibrate --host) is replaced the same way
+    shipped = (ROOT / "hkvsim/fabric/profiles/cpu-ucx-loopback.toml").read_text()
+    assert replace_host_block(shipped, None).strip() == base.strip()
 
 
 def _result(name: str, sim: float, real: float) -> FileResult:
@@ -273,10 +278,11 @@ def test_fit_recovers_the_constants_of_a_known_profile() -> None:
     files = sorted((ROOT / "scenarios/fit").glob("*.toml"))
     scen = [load_scenarios(f)[0] for f in files]
     truth = HostFit(2, 3.0, 400.0, 10.0, 300.0, 2.0)
-    real = [_sim(s, None, truth.overrides()) for s in scen]
+    real = [_sim(s, CPU_BASE, truth.overrides()) for s in scen]
     fit, sims = fit_host(scen, real, cores=2, coordinator_message_us=10.0,
                          grid=(1.0, 2.0, 3.0, 5.0), notice_grid=(1.0, 200.0, 400.0, 800.0),
-                         dispatch_grid=(0.0, 150.0, 300.0, 600.0), oracle_core_gbps=2.0)
+                         dispatch_grid=(0.0, 150.0, 300.0, 600.0), oracle_core_gbps=2.0,
+                         profile=CPU_BASE)
     assert (fit.core_gbps, fit.rank_dispatch_us, fit.completion_notice_us) == (3.0, 300.0, 400.0)
     assert sims == pytest.approx(real, rel=1e-9)
 

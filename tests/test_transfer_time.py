@@ -30,7 +30,7 @@ tp = 1
 [connector]
 mode = "{mode}"
 [fabric]
-profile = "cpu-ucx-loopback"
+profile = "pcie-host"
 [workload]
 requests = 3
 prompt_tokens = [500, 129, 2000]

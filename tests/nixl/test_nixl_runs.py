@@ -79,8 +79,9 @@ def test_tiny_kimi_matches_the_simulator(tmp_path, mode: str, p: int, d: int) ->
     assert nixl["counters"]["notifications"] == sim["counters"]["notifications"]
     paths = [t["path"] for r in nixl["request_details"] for t in r["telemetry"]]
     assert paths and all(path[0] == "UCX" for path in paths)
-    # the JSON has the simulator's shape
-    assert set(nixl) == set(sim) and set(nixl["requests"]) == set(sim["requests"])
+    # the JSON has the simulator's shape, plus the CPU the real processes spent
+    assert set(nixl) == set(sim) | {"rank_cpu"} and set(nixl["requests"]) == set(sim["requests"])
+    assert nixl["rank_cpu"]["by_op"]["StartRead" if mode == "pull" else "StartWrite"][0] > 0
 
 
 @pytest.mark.timeout(90)
@@ -182,7 +183,7 @@ def test_cli_run_json(tmp_path) -> None:
     sim = json.loads(subprocess.run(
         [sys.executable, "-m", "hkvsim.cli", "run", str(path), "--json"], capture_output=True,
         text=True, cwd=ROOT, timeout=60).stdout)
-    assert set(nixl) == set(sim)
+    assert set(nixl) == set(sim) | {"rank_cpu"} and "rank_cpu" not in sim
     assert nixl["outcome"] == "ok" and nixl["requests"]["bytes"] == sim["requests"]["bytes"]
     # the times say which clock they are on
     assert (nixl["backend"], nixl["time"]["clock"]) == ("nixl", "wall")
