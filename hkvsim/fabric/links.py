@@ -398,7 +398,7 @@ class Fabric:
         # the rank's poll loop notices the completion (on the rank's one thread, after the posts
         # queued on it) and the coordinator takes the message (on its thread): CPU work too,
         # queued behind whatever holds the cores
-        if p.completion_notice:
+        if p.completion_notice:  # inline, not a sub-process: the queue order is the calibrated one
             with self._poster(poster).request() as req:
                 yield req
                 with self._node_cores(poster.node).request() as core:
@@ -406,17 +406,10 @@ class Fabric:
                     yield env.timeout(p.completion_notice)
         if p.coordinator_message:
             yield self.coordinator_work(p.coordinator_message)
-        return TransferTiming(
-            submitted=submitted,
-            post_start=post_start,
-            post_end=post_end,
-            wire_start=wire_start,
-            wire_end=wire_end,
-            done=env.now,
-            nbytes=nbytes,
-            descriptors=descriptors,
-            path=tuple(link.name for link in links),
-        )
+        return TransferTiming(submitted=submitted, post_start=post_start, post_end=post_end,
+                              wire_start=wire_start, wire_end=wire_end, done=env.now,
+                              nbytes=nbytes, descriptors=descriptors,
+                              path=tuple(link.name for link in links))
 
     def _transfer(
         self,
