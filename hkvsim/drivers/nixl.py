@@ -252,6 +252,7 @@ class NixlDriver:
         self.ranks: list[_Rank] = []
         self._by_key: dict[RankId, _Rank] = {}
         self._calls: dict[int, tuple[_Rank, Any]] = {}  # call id -> rank, op
+        self._calls_sent = 0  # calls sent to ranks during the workload (the coordinator CPU per call)
         self._background: set[asyncio.Task] = set()
         self._failure: str | None = None  # a coordinator or protocol error: the run is void
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -12,7 +12,6 @@ such lists go stale, as local lists over deregistered memory do).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
@@ -359,7 +358,7 @@ class SimTransport:
                 self._set_landing(x, *pairs.extents(side))
             else:  # the guard may know the runs' blocks by their key: addresses when asked
                 self._set_landing(x, None, None, runs=runs,
-                                  extents=functools.partial(pairs.extents, side))
+                                  extents=partial(pairs.extents, side))
         self._xfers[handle] = x
         return handle
 
