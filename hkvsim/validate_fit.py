@@ -3,8 +3,9 @@ scenario files, then judge them on a held-out set and write the profile only if 
 
 The host-path model (hkvsim/fabric/profile.py, links.py) treats a node's CPU cores as a FIFO
 pool that every rank process of the node competes for: a transfer holds one core for the rank's
-dispatch, its post and its copy; noticing its completion and the message to the coordinator
-queue for a core too; in a verified run so does the oracle's fill and check. Its constants:
+dispatch, its post and its copy (and its rank's one thread); noticing its completion (on that
+thread), the coordinator's work per call and per message (on its own thread) and, in a verified
+run, the oracle's fill and check queue for a core too. Its constants:
 
 * ``host_copy_cores``: the node's CPU cores (``os.cpu_count()``; measured, not fitted);
 * ``coordinator_message_us``: one rank -> coordinator message: half the median round trip of
@@ -14,7 +15,8 @@ queue for a core too; in a verified run so does the oracle's fill and check. Its
   read from there, not fitted): a cma transfer completes only once the remote agent has
   progressed since the post, and a notification is seen at the receiver's next poll;
 * ``oracle_core_gbps``: what one core fills or checks with the oracle,
-* ``rank_dispatch_us``: a rank's CPU on a transfer before its post, and
+* ``rank_dispatch_us`` / ``rank_dispatch_unprepped_us``: a rank's CPU on a transfer before its
+  post, from prepared lists / from raw descriptors (FIT files that merge), and
 * ``coordinator_call_us``: the coordinator's CPU per call it sends a rank: all three measured
   in the FIT runs' own processes (CPU time per operation kind, :func:`measured_cpu`), not
   fitted;
@@ -35,7 +37,7 @@ Procedure (nothing here looks at the held-out files until the constants are fixe
    log space: symmetric in over- and under-prediction, no square to let one noisy file dominate;
    on repeated fits of this machine it moved far less than the median-|error| criterion tried
    first, which jumped between 0.9 GB/s + 1 us and 3.6 GB/s + 2.3 ms).
-4. The candidate profile (the shipped profile's sweep-fitted keys + the four constants) is run
+4. The candidate profile (the shipped profile's sweep-fitted keys + the host constants) is run
    over the held-out files on both backends; if the held-out median |error| exceeds
    :data:`ACCEPT_MEDIAN` or the worst exceeds :data:`ACCEPT_WORST`, no profile is written and
    the per-file errors say why.
@@ -310,7 +312,7 @@ oracle_core_gbps = {fit.oracle_core_gbps}"""
 
 
 def host_block(fit: HostFit, meta: dict[str, Any]) -> str:
-    """The profile lines for the four constants, each with where it comes from."""
+    """The profile lines for the host constants, each with where it comes from."""
     return f"""
 {_BLOCK_START}, {meta['when']}; do not edit by hand) ----
 # Fitted on the FIT set {meta['fit_source']} ({meta['fit_files']} files x {meta['repeats']} real
