@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, ValidationError,
+from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, ValidationError, shown_path,
                        steady_transfer_median, summary, validate, with_profile)
 
 __all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "HOST_KEYS", "check_load",
@@ -436,7 +436,7 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
         from .fabric.profile import load_profile
 
         load_profile(profile_out)  # what we wrote must load
-        written = str(profile_out)
+        written = shown_path(profile_out)  # relative in a committed report
     result = {"accepted": accepted, "refused": refused, "fit": asdict(fit), "measured_cpu": cpu,
               "profile_written": written, "meta": meta, "held_out_summary": s,
               "fit_files": [{"file": r.file, "sim_seconds": sim, "real_seconds": r.real_seconds,
