@@ -54,7 +54,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -170,28 +170,23 @@ def _sim(scenario: Any, profile: Path | None, overrides: dict[str, Any]) -> floa
     return t
 
 
-def fit_host(scenarios: Sequence[Any], real: Sequence[float], *, cores: int,
-             coordinator_message_us: float, profile: Path | None = None,
-             grid: Sequence[float] = GRID_GBPS,
+def fit_host(scenarios: Sequence[Any], real: Sequence[float], *, base: HostFit,
+             profile: Path | None = None, grid: Sequence[float] = GRID_GBPS,
              notice_grid: Sequence[float] = GRID_NOTICE_US,
-             dispatch_grid: Sequence[float] = (0.0,),
-             oracle_core_gbps: float | None = None,
-             peer_poll_us: tuple[float, float] = (0.0, 0.0),
-             coordinator_call_us: float = 0.0,
-             dispatch_unprepped_us: float = 0.0) -> tuple[HostFit, list[float]]:
+             dispatch_grid: Sequence[float] | None = None) -> tuple[HostFit, list[float]]:
     """The (per-core rate, rank dispatch, completion notice) grid point that best predicts
     ``real`` (seconds, one per scenario) and the simulated times of the FIT files with it
-    (module docstring, step 3); ties go to the point met first (grid order). The calibration
-    passes the measured dispatch as a one-point grid."""
+    (module docstring, step 3); ties go to the point met first (grid order). ``base`` holds the
+    constants that are not fitted (its rate and notice are ignored); the dispatch is fitted only
+    when ``dispatch_grid`` is given (the calibration measures it: ``base``'s)."""
     if len(scenarios) != len(real) or not scenarios:
         raise ValidationError("fit_host: need one real time per FIT scenario, at least one")
     best: tuple[float, HostFit, list[float]] | None = None
     for gbps in grid:
-        for dispatch in dispatch_grid:
+        for dispatch in dispatch_grid or (base.rank_dispatch_us,):
             for notice in notice_grid:
-                trial = HostFit(cores, gbps, notice, coordinator_message_us, dispatch,
-                                oracle_core_gbps, *peer_poll_us, coordinator_call_us,
-                                dispatch_unprepped_us)
+                trial = replace(base, core_gbps=gbps, completion_notice_us=notice,
+                                rank_dispatch_us=dispatch)
                 sims = [_sim(s, profile, trial.overrides()) for s in scenarios]
                 cost = statistics.fmean(abs(math.log(s / r)) for s, r in zip(sims, real))
                 if best is None or cost < best[0]:
@@ -254,7 +249,8 @@ def measured_cpu(results: Sequence[FileResult],
     raw_lists = [r for r, raw in zip(results, flags) if raw]
     dispatch_unprepped = None
     if prepped and raw_lists:
-        dispatch = _dispatch_us(prepped) or dispatch
+        from_prepped = _dispatch_us(prepped)
+        dispatch = dispatch if from_prepped is None else from_prepped
         dispatch_unprepped = _dispatch_us(raw_lists)
     coordinator = total.get("coordinator") or {"calls": 0, "cpu_seconds": 0.0}
     calls = int(coordinator["calls"])
@@ -401,12 +397,10 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
         f"{cpu['oracle_core_gbps']} GB/s per core, coordinator {cpu['coordinator_call_us']} us "
         "per call")
     real = [r.real_median for r in fit_real]
-    fit, fit_sims = fit_host(fit_scen, real, cores=cores, coordinator_message_us=coord_us,
-                             profile=profile_in, oracle_core_gbps=cpu["oracle_core_gbps"],
-                             dispatch_grid=(cpu["rank_dispatch_us"],),
-                             peer_poll_us=rank_poll_periods_us(),
-                             coordinator_call_us=cpu["coordinator_call_us"],
-                             dispatch_unprepped_us=cpu["rank_dispatch_unprepped_us"] or 0.0)
+    measured = HostFit(cores, GRID_GBPS[0], GRID_NOTICE_US[0], coord_us,
+                       cpu["rank_dispatch_us"], cpu["oracle_core_gbps"], *rank_poll_periods_us(),
+                       cpu["coordinator_call_us"], cpu["rank_dispatch_unprepped_us"] or 0.0)
+    fit, fit_sims = fit_host(fit_scen, real, base=measured, profile=profile_in)
     say(f"fit: {fit}")
     loads = [x for r in fit_real for x in r.loads] + [load0]
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

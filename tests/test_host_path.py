@@ -235,10 +235,7 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
         "coordinator_cpu_seconds": 1e-3})
     monkeypatch.setattr(vf, "check_load", lambda force: (0.5, 2))
     monkeypatch.setattr(vf, "fit_host", lambda sc, real, **kw: (
-        vf.HostFit(2, 1.0, 100.0, kw["coordinator_message_us"], kw["dispatch_grid"][0],
-                   kw["oracle_core_gbps"], *kw["peer_poll_us"], kw["coordinator_call_us"],
-                   kw["dispatch_unprepped_us"]),
-        [1e-3] * len(real)))
+        replace(kw["base"], core_gbps=1.0, completion_notice_us=100.0), [1e-3] * len(real)))
     out = tmp_path / "out.toml"
     result = vf.calibrate_host(fit_files, held_files, profile_in=ROOT / "hkvsim/fabric/"
                                "profiles/cpu-ucx-loopback.toml", profile_out=out,
@@ -279,10 +276,10 @@ def test_fit_recovers_the_constants_of_a_known_profile() -> None:
     scen = [load_scenarios(f)[0] for f in files]
     truth = HostFit(2, 3.0, 400.0, 10.0, 300.0, 2.0)
     real = [_sim(s, CPU_BASE, truth.overrides()) for s in scen]
-    fit, sims = fit_host(scen, real, cores=2, coordinator_message_us=10.0,
+    base = HostFit(2, 0.0, 0.0, 10.0, 0.0, 2.0)  # the constants not fitted: cores, oracle
+    fit, sims = fit_host(scen, real, base=base,
                          grid=(1.0, 2.0, 3.0, 5.0), notice_grid=(1.0, 200.0, 400.0, 800.0),
-                         dispatch_grid=(0.0, 150.0, 300.0, 600.0), oracle_core_gbps=2.0,
-                         profile=CPU_BASE)
+                         dispatch_grid=(0.0, 150.0, 300.0, 600.0), profile=CPU_BASE)
     assert (fit.core_gbps, fit.rank_dispatch_us, fit.completion_notice_us) == (3.0, 300.0, 400.0)
     assert sims == pytest.approx(real, rel=1e-9)
 

@@ -78,9 +78,11 @@ class SimDriver:
         specs = [(e.engine_id, e.role, e.tp) for e in self.dep.all_engines()]
         self.fabric = Fabric(self.env, profile, place_engines(profile, specs))
         self.world = SimWorld(self.env, self.fabric, move_bytes=self.verify)
-        # bytes/s of oracle work per core when it is modelled (verified runs, host path)
+        # bytes/s of oracle work per core when it is modelled (verified runs, host path), and
+        # the coordinator's CPU per call (host path; 0: calls reach their ranks at once)
         self._oracle_rate = (profile.oracle_core_bandwidth
                              if self.verify and profile.host_cores is not None else None)
+        self._coordinator_call = profile.coordinator_call if profile.host_cores is not None else 0.0
         faults = None
         if scenario.faults:
             faults = FaultPlan(scenario.faults, seed=scenario.scenario.seed,
@@ -162,18 +164,25 @@ class SimDriver:
         for effect in effects:
             if not isinstance(effect, Call):
                 continue  # Posting: the simulator injects its faults inside the transport
-            if self.profile.coordinator_call and self.profile.host_cores is not None:
+            if self._coordinator_call:
                 self.env.process(self._after_coordinator_work(effect))
                 continue
-            if isinstance(effect.op, (Connect, ConnectNotifyOnly)):
-                self.env.process(self._after_handshake_latency(effect))
-                continue
-            if self._oracle_rate and isinstance(effect.op, (OracleWrite, Verify)):
-                self.env.process(self._after_oracle_work(effect))
-                continue
-            replies.append(self._execute(effect))
+            reply = self._start(effect)
+            if reply is not None:
+                replies.append(reply)
         if replies:
             self.coord.on_replies(replies, self.env.now)
+
+    def _start(self, call: Call) -> Reply | None:
+        """Carry out ``call`` on its rank: its reply now, or None when a handshake's latency or
+        (host path, verified) the oracle's CPU delays it (the reply is delivered later)."""
+        if isinstance(call.op, (Connect, ConnectNotifyOnly)):
+            self.env.process(self._after_handshake_latency(call))
+            return None
+        if self._oracle_rate and isinstance(call.op, (OracleWrite, Verify)):
+            self.env.process(self._after_oracle_work(call))
+            return None
+        return self._execute(call)
 
     def _after_input(self) -> None:
         self._arm_timer()
@@ -214,13 +223,9 @@ class SimDriver:
     def _after_coordinator_work(self, call: Call) -> Any:
         """Host path with the coordinator's CPU modelled: the call reaches its rank once the
         coordinator has spent its CPU on it (after its earlier calls), then runs as usual."""
-        yield self.fabric.coordinator_work(self.profile.coordinator_call)
-        if isinstance(call.op, (Connect, ConnectNotifyOnly)):
-            self.env.process(self._after_handshake_latency(call))
-        elif self._oracle_rate and isinstance(call.op, (OracleWrite, Verify)):
-            self.env.process(self._after_oracle_work(call))
-        else:
-            reply = self._execute(call)
+        yield self.fabric.coordinator_work(self._coordinator_call)
+        reply = self._start(call)
+        if reply is not None:
             self._deliver(lambda: self.coord.on_replies([reply], self.env.now))
 
     def _after_oracle_work(self, call: Call) -> Any:

@@ -274,11 +274,9 @@ class Fabric:
         poster = self.endpoint(initiator)
         links, latency = self._route(src, dst)
         if self.profile.host_cores is not None:
-            p = self.profile
-            dispatch = (p.rank_dispatch_unprepped if unprepped and p.rank_dispatch_unprepped
-                        else p.rank_dispatch)
-            return self.env.process(self._host_transfer(poster, links, latency, n, d,
-                                                        peer_progress, dispatch))
+            return self.env.process(self._host_transfer(
+                poster, links, latency, n, d, peer_progress,
+                self.profile.dispatch_time(unprepped=unprepped)))
         return self.env.process(self._transfer(poster, links, latency, n, d))
 
     def notify(self, src: Hashable, dst: Hashable) -> simpy.Event:
@@ -398,12 +396,8 @@ class Fabric:
         # the rank's poll loop notices the completion (on the rank's one thread, after the posts
         # queued on it) and the coordinator takes the message (on its thread): CPU work too,
         # queued behind whatever holds the cores
-        if p.completion_notice:  # inline, not a sub-process: the queue order is the calibrated one
-            with self._poster(poster).request() as req:
-                yield req
-                with self._node_cores(poster.node).request() as core:
-                    yield core
-                    yield env.timeout(p.completion_notice)
+        if p.completion_notice:  # in this process (``yield from``): no extra event reorders it
+            yield from self._on_a_core(poster, p.completion_notice)
         if p.coordinator_message:
             yield self.coordinator_work(p.coordinator_message)
         return TransferTiming(submitted=submitted, post_start=post_start, post_end=post_end,

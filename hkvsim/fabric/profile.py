@@ -58,7 +58,7 @@ import os
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Final, Mapping
+from typing import Any, Callable, Final, Mapping
 
 __all__ = [
     "ProfileError",
@@ -239,10 +239,8 @@ class FabricProfile:
                 continue
             shown = spec.from_si(value) if spec.kind == "float" and _is_number(value) else value
             _check(spec, shown, f"FabricProfile {self.name!r}", "field for key")
-        _check_host_copy(self.host_copy_cores, self.host_copy_core_bandwidth, self.memory,
-                         f"FabricProfile {self.name!r}", self.rank_dispatch,
-                         self.oracle_core_bandwidth, self.peer_poll_idle, self.peer_poll_busy,
-                         self.coordinator_call, self.rank_dispatch_unprepped)
+        _check_host_copy(lambda attr: getattr(self, attr), self.memory,
+                         f"FabricProfile {self.name!r}")
 
     @property
     def host_cores(self) -> int | None:
@@ -255,23 +253,35 @@ class FabricProfile:
         path latency: completion notice + coordinator message."""
         return self.completion_notice + self.coordinator_message
 
+    def dispatch_time(self, *, unprepped: bool = False) -> float:
+        """A rank's CPU on one host-path transfer before its post: ``rank_dispatch_unprepped``
+        for a transfer made from raw descriptors when the profile gives one, else
+        ``rank_dispatch``."""
+        if unprepped and self.rank_dispatch_unprepped:
+            return self.rank_dispatch_unprepped
+        return self.rank_dispatch
+
     def post_time(self, descriptors: int) -> float:
         """CPU time to post one transfer of ``descriptors`` descriptors (launch + n * alpha)."""
         return self.transfer_launch + descriptors * self.per_descriptor
 
 
-def _check_host_copy(cores: Any, rate: Any, memory: str, where: str,
-                     dispatch: Any = None, oracle: Any = None, idle: Any = None,
-                     busy: Any = None, coordinator_call: Any = None,
-                     unprepped: Any = None) -> None:
-    if bool(idle) != bool(busy):
+#: Host-path keys that are CPU time on a node's core, so they need ``host_copy_cores`` (attrs)
+_NEED_HOST_CORES: Final[tuple[str, ...]] = ("rank_dispatch", "oracle_core_bandwidth",
+                                            "peer_poll_idle", "coordinator_call",
+                                            "rank_dispatch_unprepped")
+
+
+def _check_host_copy(get: Callable[[str], Any], memory: str, where: str) -> None:
+    """The host-path keys' rules; ``get(attr)`` gives a field's value (None / 0 when absent)."""
+    cores, rate = get("host_copy_cores"), get("host_copy_core_bandwidth")
+    if bool(get("peer_poll_idle")) != bool(get("peer_poll_busy")):
         raise ProfileError(
             f"{where}: 'peer_poll_idle_us' and 'peer_poll_busy_us' go together: give both (a "
             "remote rank's NIXL poll periods) or neither")
-    for key, value in (("rank_dispatch_us", dispatch), ("oracle_core_gbps", oracle),
-                       ("peer_poll_idle_us", idle), ("coordinator_call_us", coordinator_call),
-                       ("rank_dispatch_unprepped_us", unprepped)):
-        if value and cores is None:
+    for attr in _NEED_HOST_CORES:
+        key = _BY_ATTR[attr].key
+        if get(attr) and cores is None:
             raise ProfileError(
                 f"{where}: {key!r} without 'host_copy_cores': it is CPU time on a node's core; "
                 "give the host copy model (host_copy_cores, host_copy_core_gbps) too or leave "
@@ -405,9 +415,5 @@ def load_profile(
         value = merged[spec.key]
         _check(spec, value, where, "override key" if spec.key in from_override else "key")
         values[spec.attr] = spec.to_si(value) if spec.kind == "float" else value
-    _check_host_copy(values.get("host_copy_cores"), values.get("host_copy_core_bandwidth"),
-                     values["memory"], where, values.get("rank_dispatch"),
-                     values.get("oracle_core_bandwidth"), values.get("peer_poll_idle"),
-                     values.get("peer_poll_busy"), values.get("coordinator_call"),
-                     values.get("rank_dispatch_unprepped"))
+    _check_host_copy(values.get, values["memory"], where)
     return FabricProfile(**values)
