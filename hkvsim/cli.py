@@ -633,8 +633,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", action="store_true",
                    help="instead of the sweep: fit the host-path constants (the node's CPU "
                         "cores shared by every rank's dispatch, post, copy, completion and "
-                        "oracle work; per-core copy rate, rank dispatch, completion notice, "
-                        "measured coordinator message and oracle rate) on the FIT scenario files, "
+                        "oracle work and the coordinator's; fitted: per-core copy rate and "
+                        "completion notice; measured in the real runs' processes: rank "
+                        "dispatch, coordinator CPU per call, oracle rate; the rank loop's poll "
+                        "periods) on the FIT scenario files, "
                         "judge them on the held-out files, and write the profile only if the "
                         "held-out median |error| <= 15 %% and the worst <= 40 %%")
     p.add_argument("--fit", nargs="+", default=None, metavar="FILE",
