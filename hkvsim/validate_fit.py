@@ -14,9 +14,12 @@ run, the oracle's fill and check queue for a core too. Its constants:
   when idle / with transfers in flight (its loop's select timeouts in hkvsim/backends/rank.py;
   read from there, not fitted): a cma transfer completes only once the remote agent has
   progressed since the post, and a notification is seen at the receiver's next poll;
-* ``oracle_core_gbps``: what one core fills or checks with the oracle,
+* ``oracle_core_gbps`` / ``oracle_op_us``: what one core fills or checks with the oracle, and
+  its CPU per fill or check besides the bytes,
 * ``rank_dispatch_us`` / ``rank_dispatch_unprepped_us``: a rank's CPU on a transfer before its
-  post, from prepared lists / from raw descriptors (FIT files that merge), and
+  post, from prepared lists / from raw descriptors (FIT files that merge), with
+  ``rank_op_dispatch_us`` / ``rank_op_dispatch_unprepped_us``, its CPU per operation before
+  the operation's first post, and
 * ``coordinator_call_us``: the coordinator's CPU per call it sends a rank: all three measured
   in the FIT runs' own processes (CPU time per operation kind, :func:`measured_cpu`), not
   fitted;
@@ -29,7 +32,7 @@ Procedure (nothing here looks at the held-out files until the constants are fixe
    fit is refused (a loaded machine measures the other load, not the copy path) unless
    ``force``, and the load stays in the report either way.
 2. Every FIT file runs ``repeats`` times on real NIXL, interleaved across files
-   (:func:`hkvsim.validate.validate`); per file the median of the runs' steady-state medians is
+   (:func:`hkvsim.validate.validate`); per file the median of the runs' steady-state means is
    the target, their spread is reported.
 3. Every FIT file is simulated at every point of a grid of (per-core rate, completion notice),
    with the measured constants;
@@ -58,21 +61,24 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, ValidationError, shown_path,
-                       steady_transfer_median, summary, validate, with_profile)
+                       steady_transfer_mean, summary, validate, with_profile)
 
 __all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "HOST_KEYS", "check_load",
-           "fit_host", "host_block", "measure_coordinator_message", "measured_cpu",
-           "rank_poll_periods_us", "replace_host_block", "calibrate_host"]
+           "dispatch_split", "fit_host", "host_block", "measure_coordinator_message", "measured_cpu",
+           "oracle_cost", "rank_poll_periods_us", "replace_host_block", "calibrate_host"]
 
-#: Per-core copy rates tried (GB/s): geometric, 1 .. ~14.6 (x 1.5625).
-GRID_GBPS: tuple[float, ...] = tuple(round(1.25 ** k, 4) for k in range(0, 14, 2))
+#: Per-core copy rates tried (GB/s): geometric, 1 .. ~14.6 (x 1.25).
+GRID_GBPS: tuple[float, ...] = tuple(round(1.25 ** k, 4) for k in range(0, 13))
 #: Completion notices tried (us).
 GRID_NOTICE_US: tuple[float, ...] = (1.0, 50.0, 100.0, 200.0, 300.0, 500.0, 700.0, 1000.0,
                                      1500.0)
 #: Rank dispatches tried (us).
-HOST_KEYS = ("host_copy_cores", "host_copy_core_gbps", "rank_dispatch_us", "oracle_core_gbps",
-             "peer_poll_idle_us", "peer_poll_busy_us", "completion_notice_us",
+HOST_KEYS = ("host_copy_cores", "host_copy_core_gbps", "rank_dispatch_us", "rank_op_dispatch_us",
+             "rank_op_dispatch_unprepped_us", "oracle_core_gbps",
+             "oracle_op_us", "peer_poll_idle_us", "peer_poll_busy_us", "completion_notice_us",
              "coordinator_message_us")
 _BLOCK_START = "# ---- host-path model (hkvsim calibrate --host"
 
@@ -93,6 +99,9 @@ class HostFit:
     peer_poll_busy_us: float = 0.0
     coordinator_call_us: float = 0.0  # 0: the coordinator's CPU is not modelled
     rank_dispatch_unprepped_us: float = 0.0  # 0: rank_dispatch_us for every transfer
+    oracle_op_us: float = 0.0  # the oracle's CPU per fill or check besides its bytes
+    rank_op_dispatch_us: float = 0.0  # a rank's CPU per StartRead / StartWrite, before its posts
+    rank_op_dispatch_unprepped_us: float = 0.0  # ... when it posts raw descriptors
 
     def overrides(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -103,6 +112,8 @@ class HostFit:
             out["rank_dispatch_us"] = self.rank_dispatch_us
         if self.oracle_core_gbps:
             out["oracle_core_gbps"] = self.oracle_core_gbps
+            if self.oracle_op_us:
+                out["oracle_op_us"] = self.oracle_op_us
         if self.peer_poll_idle_us:
             out["peer_poll_idle_us"] = self.peer_poll_idle_us
             out["peer_poll_busy_us"] = self.peer_poll_busy_us
@@ -110,6 +121,10 @@ class HostFit:
             out["coordinator_call_us"] = self.coordinator_call_us
         if self.rank_dispatch_unprepped_us:
             out["rank_dispatch_unprepped_us"] = self.rank_dispatch_unprepped_us
+        if self.rank_op_dispatch_us:
+            out["rank_op_dispatch_us"] = self.rank_op_dispatch_us
+        if self.rank_op_dispatch_unprepped_us:
+            out["rank_op_dispatch_unprepped_us"] = self.rank_op_dispatch_unprepped_us
         return out
 
 
@@ -163,7 +178,7 @@ def _sim(scenario: Any, profile: Path | None, overrides: dict[str, Any]) -> floa
     from .results import result_json
 
     data = result_json(run_scenario(with_profile(scenario, profile, overrides)), requests=True)
-    t = steady_transfer_median(data)
+    t = steady_transfer_mean(data)
     if t is None or data["outcome"] != "ok":
         raise ValidationError(f"{scenario.scenario.name}: the simulated run did not complete "
                               f"its steady-state requests (outcome {data['outcome']})")
@@ -202,18 +217,72 @@ def rank_poll_periods_us() -> tuple[float, float]:
     return round(rank._IDLE_POLL_S * 1e6, 3), round(rank._BUSY_POLL_S * 1e6, 3)
 
 
-def _dispatch_us(results: Sequence[FileResult]) -> float | None:
-    """CPU of the StartRead / StartWrite operations less the CPU inside their post calls, per
-    post, over ``results`` (None when they posted nothing)."""
-    from .pd.cpu import merge_rank_cpu
+def oracle_cost(results: Sequence[FileResult]) -> tuple[float | None, float]:
+    """(GB/s per core, us per operation) of the oracle's fills and checks in ``results``' real
+    ranks: each file with oracle work is one point (operations, bytes, CPU seconds), and
+    ``cpu = ops * op_us + bytes / rate`` is fitted by least squares over the files. Measured on
+    CPU loopback, a fill or check cost ~1.2 ms whatever its size plus ~10 GB/s: bytes alone
+    made a 1 MB check of a hybrid model cost half of what it did and a 6 MB one twice. With
+    fewer than two distinct sizes per operation, or a fit that would make either term
+    negative, the cost is bytes alone (op_us = 0, rate = bytes / CPU). (None, 0.0) when no
+    run ran the oracle."""
+    points = []
+    for r in results:
+        ops = (r.rank_cpu or {}).get("by_op", {})
+        n = sum(ops.get(k, [0, 0.0, 0])[0] for k in ("OracleWrite", "Verify"))
+        cpu = sum(ops.get(k, [0, 0.0, 0])[1] for k in ("OracleWrite", "Verify"))
+        nbytes = sum(ops.get(k, [0, 0.0, 0])[2] for k in ("OracleWrite", "Verify"))
+        if n and nbytes and cpu > 0:
+            points.append((n, nbytes, cpu))
+    if not points:
+        return None, 0.0
+    a = np.array(points, dtype=float)
+    bytes_only = (round(float(a[:, 1].sum() / a[:, 2].sum()) / 1e9, 4), 0.0)
+    per_op_bytes = a[:, 1] / a[:, 0]
+    if per_op_bytes.max() < 1.1 * per_op_bytes.min():
+        return bytes_only
+    (per_op, per_byte), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
+    if per_op <= 0 or per_byte <= 0:
+        return bytes_only
+    return round(1.0 / float(per_byte) / 1e9, 4), round(float(per_op) * 1e6, 1)
 
-    total = merge_rank_cpu([r.rank_cpu for r in results if r.rank_cpu])
-    ops = total["by_op"]
-    start_cpu = sum(ops.get(k, [0, 0.0, 0])[1] for k in ("StartRead", "StartWrite"))
-    if not total["posts"]:
-        return None
-    return round(max(start_cpu - float(total["post_cpu_seconds"]), 0.0)
-                 / int(total["posts"]) * 1e6, 1)
+
+def _dispatch_points(results: Sequence[FileResult]) -> list[tuple[int, int, float]]:
+    """(StartRead / StartWrite operations, posts, their CPU less the CPU inside the posts) of
+    each result that posted."""
+    points = []
+    for r in results:
+        if not r.rank_cpu or not r.rank_cpu.get("posts"):
+            continue
+        ops = r.rank_cpu["by_op"]
+        n = sum(ops.get(k, [0, 0.0, 0])[0] for k in ("StartRead", "StartWrite"))
+        cpu = sum(ops.get(k, [0, 0.0, 0])[1] for k in ("StartRead", "StartWrite"))
+        points.append((n, int(r.rank_cpu["posts"]),
+                       max(cpu - float(r.rank_cpu["post_cpu_seconds"]), 0.0)))
+    return points
+
+
+def dispatch_split(results: Sequence[FileResult]) -> tuple[float | None, float]:
+    """(us per post, us per operation) of the ranks' CPU on StartRead / StartWrite besides
+    their post calls, over ``results``: each file is one point (operations, posts, CPU), fitted
+    by least squares as ``ops * per_op + posts * per_post``. An operation that posts to k
+    remote ranks plans them all before its first post: measured on CPU loopback, transfers
+    from raw descriptors cost ~0.4 ms per operation plus ~0.4 ms per post, prepared ones ~0.25
+    ms per post and nothing per operation. With one posts-per-operation ratio only, or a fit
+    that would make a term negative, everything is per post (per_op = 0). (None, 0.0) when
+    nothing was posted."""
+    points = _dispatch_points(results)
+    if not points:
+        return None, 0.0
+    a = np.array(points, dtype=float)
+    per_post_only = (round(float(a[:, 2].sum() / a[:, 1].sum()) * 1e6, 1), 0.0)
+    ratio = a[:, 1] / np.maximum(a[:, 0], 1.0)
+    if ratio.max() < 1.1 * ratio.min():
+        return per_post_only
+    (per_op, per_post), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
+    if per_op < 0 or per_post <= 0:
+        return per_post_only
+    return round(float(per_post) * 1e6, 1), round(float(per_op) * 1e6, 1)
 
 
 def measured_cpu(results: Sequence[FileResult],
@@ -243,21 +312,25 @@ def measured_cpu(results: Sequence[FileResult],
         raise ValidationError("the FIT runs' ranks reported no post calls or no StartRead / "
                               "StartWrite CPU (a real backend that does not count them?); "
                               "allowed: FIT files run on hkvsim's NIXL backend")
-    dispatch = _dispatch_us(results)
+    dispatch, op_dispatch = dispatch_split(results)
     flags = list(unprepped) if unprepped is not None else [False] * len(results)
     prepped = [r for r, raw in zip(results, flags) if not raw]
     raw_lists = [r for r, raw in zip(results, flags) if raw]
-    dispatch_unprepped = None
+    dispatch_unprepped, op_dispatch_unprepped = None, 0.0
     if prepped and raw_lists:
-        from_prepped = _dispatch_us(prepped)
-        dispatch = dispatch if from_prepped is None else from_prepped
-        dispatch_unprepped = _dispatch_us(raw_lists)
+        from_prepped = dispatch_split(prepped)
+        if from_prepped[0] is not None:
+            dispatch, op_dispatch = from_prepped
+        dispatch_unprepped, op_dispatch_unprepped = dispatch_split(raw_lists)
     coordinator = total.get("coordinator") or {"calls": 0, "cpu_seconds": 0.0}
     calls = int(coordinator["calls"])
+    oracle_gbps, oracle_op_us = oracle_cost(results)
     return {"rank_dispatch_us": dispatch, "rank_dispatch_unprepped_us": dispatch_unprepped,
+            "rank_op_dispatch_us": op_dispatch,
+            "rank_op_dispatch_unprepped_us": op_dispatch_unprepped,
             "unprepped_files": len(raw_lists),
-            "oracle_core_gbps": round(oracle_b / oracle_cpu / 1e9, 4)
-            if oracle_b and oracle_cpu > 0 else None,
+            "oracle_core_gbps": oracle_gbps, "oracle_op_us": oracle_op_us,
+            "oracle_ops": sum(ops.get(k, [0, 0.0, 0])[0] for k in ("OracleWrite", "Verify")),
             "coordinator_call_us": round(coordinator["cpu_seconds"] / calls * 1e6, 1)
             if calls else 0.0,
             "coordinator_calls": calls,
@@ -283,6 +356,14 @@ rank_dispatch_us = {fit.rank_dispatch_us}
 # NIXL prepares its lists on each call), measured on the FIT files that merge.
 rank_dispatch_unprepped_us = {fit.rank_dispatch_unprepped_us}
 """
+    if fit.rank_op_dispatch_us or fit.rank_op_dispatch_unprepped_us:
+        out += """# A rank's CPU per operation (StartRead / StartWrite) before its first post, besides the
+# per-post dispatch: least squares of each FIT file's CPU over its operations and posts.
+"""
+        if fit.rank_op_dispatch_us:
+            out += f"rank_op_dispatch_us = {fit.rank_op_dispatch_us}\n"
+        if fit.rank_op_dispatch_unprepped_us:
+            out += f"rank_op_dispatch_unprepped_us = {fit.rank_op_dispatch_unprepped_us}\n"
     if fit.coordinator_call_us:
         out += f"""# The coordinator's CPU per call it sends a rank (on its one thread and a core), measured:
 # the coordinator process's CPU over the FIT runs per call sent.
@@ -302,9 +383,15 @@ peer_poll_busy_us = {fit.peer_poll_busy_us}
 def _oracle_lines(fit: HostFit) -> str:
     if not fit.oracle_core_gbps:
         return "# oracle_core_gbps: not measured (the FIT runs ran no oracle)"
-    return f"""# What one core fills or checks with the byte oracle (verified runs): measured in the FIT
+    if not fit.oracle_op_us:
+        return f"""# What one core fills or checks with the byte oracle (verified runs): measured in the FIT
 # runs' rank processes (oracle bytes over the CPU of their fills and checks).
 oracle_core_gbps = {fit.oracle_core_gbps}"""
+    return f"""# The byte oracle's CPU (verified runs): a fill or check of n bytes costs oracle_op_us +
+# n / oracle_core_gbps on one core, measured in the FIT runs' rank processes (least squares of
+# each file's fill and check CPU over its operations and bytes).
+oracle_core_gbps = {fit.oracle_core_gbps}
+oracle_op_us = {fit.oracle_op_us}"""
 
 
 def host_block(fit: HostFit, meta: dict[str, Any]) -> str:
@@ -392,14 +479,18 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
     say(f"coordinator message {coord_us} us")
     fit_real = validate(fit_files, repeats=repeats, progress=say, profile=profile_in)
     cpu = measured_cpu(fit_real, [s.connector.descriptor_merge != "off" for s in fit_scen])
-    say(f"measured in the FIT runs: dispatch {cpu['rank_dispatch_us']} us per post "
-        f"({cpu['rank_dispatch_unprepped_us']} us from raw descriptors), oracle "
-        f"{cpu['oracle_core_gbps']} GB/s per core, coordinator {cpu['coordinator_call_us']} us "
+    say(f"measured in the FIT runs: dispatch {cpu['rank_dispatch_us']} us per post + "
+        f"{cpu['rank_op_dispatch_us']} us per operation ({cpu['rank_dispatch_unprepped_us']} + "
+        f"{cpu['rank_op_dispatch_unprepped_us']} us from raw descriptors), oracle "
+        f"{cpu['oracle_core_gbps']} GB/s per core + {cpu['oracle_op_us']} us per operation, "
+        f"coordinator {cpu['coordinator_call_us']} us "
         "per call")
     real = [r.real_median for r in fit_real]
     measured = HostFit(cores, GRID_GBPS[0], GRID_NOTICE_US[0], coord_us,
                        cpu["rank_dispatch_us"], cpu["oracle_core_gbps"], *rank_poll_periods_us(),
-                       cpu["coordinator_call_us"], cpu["rank_dispatch_unprepped_us"] or 0.0)
+                       cpu["coordinator_call_us"], cpu["rank_dispatch_unprepped_us"] or 0.0,
+                       cpu["oracle_op_us"], cpu["rank_op_dispatch_us"],
+                       cpu["rank_op_dispatch_unprepped_us"])
     fit, fit_sims = fit_host(fit_scen, real, base=measured, profile=profile_in)
     say(f"fit: {fit}")
     loads = [x for r in fit_real for x in r.loads] + [load0]
@@ -469,7 +560,7 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
         "| constant | value | how |", "|---|---:|---|",
         f"| host_copy_cores | {fit['cores']} | os.cpu_count() |",
         f"| host_copy_core_gbps | {fit['core_gbps']} | fitted on the FIT set (grid "
-        f"{GRID_GBPS[0]}..{GRID_GBPS[-1]} GB/s, x1.5625), with the notice: smallest mean "
+        f"{GRID_GBPS[0]}..{GRID_GBPS[-1]} GB/s, x1.25), with the notice: smallest mean "
         "\\|log(sim / real)\\| |",
         f"| rank_dispatch_us | {fit['rank_dispatch_us']} | measured in the FIT runs' ranks: CPU "
         "of StartRead / StartWrite less the CPU inside their post calls, per post, on the FIT "
@@ -480,6 +571,10 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
         f"the same way on the {cpu['unprepped_files']} FIT file(s) whose transfers are made from "
         "raw descriptors (descriptor_merge contiguous / strided); rank_dispatch_us from the "
         "others |",
+        f"| rank_op_dispatch_us / rank_op_dispatch_unprepped_us | {fit['rank_op_dispatch_us']} / "
+        f"{fit['rank_op_dispatch_unprepped_us']} | measured with the two above: least squares of "
+        "each file's CPU over its operations and posts (an operation plans every transfer it "
+        "posts before the first); 0 where the files cannot tell them apart |",
         f"| coordinator_call_us | {fit['coordinator_call_us']} | measured in the FIT runs: the "
         f"coordinator process's CPU ({1e3 * cpu['coordinator_cpu_seconds']:.1f} ms) over the "
         f"{cpu['coordinator_calls']:,} calls it sent |",
@@ -487,9 +582,11 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
         f"{fit['peer_poll_busy_us']:g} | the rank loop's NIXL poll periods (backends/rank.py) |",
         f"| completion_notice_us | {fit['completion_notice_us']} | fitted, with the rate (grid "
         f"{', '.join(f'{n:g}' for n in GRID_NOTICE_US)} us) |",
-        f"| oracle_core_gbps | {fit['oracle_core_gbps']} | measured in the FIT runs' ranks: "
-        f"{cpu['oracle_bytes'] / 1e6:,.1f} MB filled or checked in "
-        f"{1e3 * cpu['oracle_cpu_seconds']:.1f} ms of CPU |",
+        f"| oracle_core_gbps / oracle_op_us | {fit['oracle_core_gbps']} / "
+        f"{fit['oracle_op_us']} | measured in the FIT runs' ranks: "
+        f"{cpu['oracle_ops']:,} fills and checks of {cpu['oracle_bytes'] / 1e6:,.1f} MB in "
+        f"{1e3 * cpu['oracle_cpu_seconds']:.1f} ms of CPU (least squares per file: CPU = "
+        "operations x oracle_op_us + bytes / oracle_core_gbps) |",
         f"| coordinator_message_us | {fit['coordinator_message_us']} | measured: 64-byte pipe "
         "ping-pong / 2, median of 200 |",
         "",

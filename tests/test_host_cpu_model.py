@@ -262,3 +262,101 @@ def test_calibration_derives_dispatch_oracle_and_coordinator_from_the_real_ranks
     assert measured_cpu([result(timing_only)])["oracle_core_gbps"] is None
     with pytest.raises(ValidationError, match="no post calls"):
         measured_cpu([result({"by_op": {}, "posts": 0, "post_cpu_seconds": 0.0})])
+
+
+def test_oracle_cost_separates_a_per_operation_cost_from_bytes() -> None:
+    from hkvsim.validate import FileResult
+    from hkvsim.validate_fit import oracle_cost
+
+    def result(ops: int, nbytes: int, cpu: float) -> FileResult:
+        half = [ops // 2, cpu / 2, nbytes // 2]
+        return FileResult(file="f", scenario="s", profile=CPU, sim_seconds=1e-3,
+                          real_seconds=(1e-3,), loads=(0.1,), descriptors_posted=(1, 1),
+                          descriptors_coalesced=(1, 1), outcomes=("ok", "ok"),
+                          rank_cpu={"by_op": {"OracleWrite": half, "Verify": half,
+                                              "StartRead": [ops, 1.0, 0]},
+                                    "posts": ops, "post_cpu_seconds": 0.1})
+
+    def cost(ops: int, per_op_bytes: int) -> FileResult:  # 1.2 ms per op + 10 GB/s
+        return result(ops, ops * per_op_bytes, ops * (1.2e-3 + per_op_bytes / 10e9))
+
+    files = [cost(10, 1_000_000), cost(10, 6_000_000), cost(20, 3_000_000)]
+    assert oracle_cost(files) == (pytest.approx(10.0), pytest.approx(1200.0))
+    # one size per operation: the two terms cannot be told apart -> bytes alone
+    same = [cost(10, 2_000_000), cost(30, 2_000_000)]
+    assert oracle_cost(same) == (pytest.approx(80e6 / 0.056 / 1e9, rel=1e-3), 0.0)
+    # sizes within 10 % of each other: noise would decide the split -> bytes alone
+    near = [cost(10, 2_000_000), result(30, 63_000_000, 0.0425)]
+    assert oracle_cost(near) == (pytest.approx(83e6 / 0.0565 / 1e9, rel=1e-3), 0.0)
+    # a fit that would make the per-operation cost negative -> bytes alone
+    odd = [result(10, 10_000_000, 0.001), result(10, 60_000_000, 0.020)]
+    assert oracle_cost(odd)[1] == 0.0
+    assert oracle_cost([result(10, 0, 0.0)]) == (None, 0.0)  # timing-only runs
+
+
+def test_oracle_per_operation_cost_holds_the_rank_in_verified_runs() -> None:
+    from hkvsim.drivers.sim import SimDriver
+    from hkvsim.results import result_json
+    from hkvsim.scenario import load_scenarios
+    from hkvsim.validate import steady_transfer_mean, with_profile
+
+    scenario = load_scenarios(ROOT / "scenarios/fit/deepseek-pull-1to2-burst3-warmed.toml")[0]
+    base = {**HOST, "host_copy_core_gbps": 5.0, "oracle_core_gbps": 1000.0}
+
+    def ms(overrides: dict[str, Any], timing_only: bool = False) -> float:
+        data = result_json(SimDriver(with_profile(scenario, CPU_BASE, overrides),
+                                     timing_only=timing_only).run(), requests=True)
+        return steady_transfer_mean(data) * 1e3
+
+    per_op = {**base, "oracle_op_us": 3000.0}
+    assert ms(per_op) > 1.5 * ms(base)  # 3 ms fills and checks hold the rank and its core
+    assert ms(per_op, timing_only=True) == pytest.approx(ms(base, timing_only=True))
+
+
+# ---- dispatch per operation and per post -----------------------------------------------------
+def test_dispatch_split_separates_per_operation_from_per_post_cpu() -> None:
+    from hkvsim.validate import FileResult
+    from hkvsim.validate_fit import dispatch_split
+
+    def result(ops: int, posts: int, per_op: float, per_post: float) -> FileResult:
+        post_cpu = 0.1e-3 * posts  # CPU inside the post calls: not dispatch
+        start = ops * per_op + posts * per_post + post_cpu
+        return FileResult(file="f", scenario="s", profile=CPU, sim_seconds=1e-3,
+                          real_seconds=(1e-3,), loads=(0.1,), descriptors_posted=(1, 1),
+                          descriptors_coalesced=(1, 1), outcomes=("ok", "ok"),
+                          rank_cpu={"by_op": {"StartRead": [ops, start, 0]}, "posts": posts,
+                                    "post_cpu_seconds": post_cpu})
+
+    # one post per operation and two: 400 us per operation + 450 us per post
+    files = [result(8, 8, 400e-6, 450e-6), result(8, 16, 400e-6, 450e-6),
+             result(32, 32, 400e-6, 450e-6)]
+    assert dispatch_split(files) == (pytest.approx(450.0), pytest.approx(400.0))
+    # every file posts once per operation: the two cannot be told apart -> all per post
+    once = [result(8, 8, 400e-6, 450e-6), result(32, 32, 400e-6, 450e-6)]
+    assert dispatch_split(once) == (pytest.approx(850.0), 0.0)
+    # a fit with a negative per-operation cost -> all per post
+    odd = [result(8, 8, 0.0, 100e-6), result(8, 16, 0.0, 400e-6)]
+    assert dispatch_split(odd)[1] == 0.0
+    assert dispatch_split([]) == (None, 0.0)
+
+
+def test_an_operation_pays_its_own_dispatch_once_before_its_first_post() -> None:
+    env, fabric = _fabric({**HOST, "host_copy_cores": 4, "rank_dispatch_us": 100.0,
+                           "rank_op_dispatch_us": 500.0,
+                           "rank_op_dispatch_unprepped_us": 900.0})
+    got: dict[str, Any] = {}
+
+    def op(name: str, at: float, count: int, unprepped: bool) -> Any:
+        yield env.timeout(at)
+        events = [fabric.transfer(initiator="a", src="b", dst="a", nbytes=1000, descriptors=1,
+                                  unprepped=unprepped) for _ in range(count)]
+        for i, ev in enumerate(events):
+            got[f"{name}{i}"] = yield ev
+
+    env.process(op("x", 0.0, 2, False))  # one operation posting twice
+    env.process(op("y", 0.05, 1, True))  # a later one, from raw descriptors
+    env.run()
+    x0, x1, y0 = got["x0"], got["x1"], got["y0"]
+    assert x0.post_start == pytest.approx(600e-6)  # 500 per operation + 100 for the transfer
+    assert x1.post_start - x0.wire_end == pytest.approx(100e-6)  # the second: its own only
+    assert y0.post_start == pytest.approx(0.05 + 900e-6 + 100e-6)

@@ -103,7 +103,7 @@ def test_oracle_work_costs_a_core_in_verified_runs_only() -> None:
     from hkvsim.drivers.sim import SimDriver
     from hkvsim.results import result_json
     from hkvsim.scenario import load_scenarios
-    from hkvsim.validate import steady_transfer_median, with_profile
+    from hkvsim.validate import steady_transfer_mean, with_profile
 
     scenario = load_scenarios(ROOT / "scenarios/fit/deepseek-pull-1to2-burst3-warmed.toml")[0]
     base = {**HOST, "host_copy_core_gbps": 5.0, "completion_notice_us": 100.0}
@@ -113,7 +113,7 @@ def test_oracle_work_costs_a_core_in_verified_runs_only() -> None:
         run = SimDriver(with_profile(scenario, CPU_BASE, overrides), timing_only=timing_only).run()
         data = result_json(run, requests=True)
         assert data["outcome"] == "ok"
-        return steady_transfer_median(data) * 1e3, run
+        return steady_transfer_mean(data) * 1e3, run
 
     verified_free, _ = transfer_ms(base, False)
     verified_slow, run = transfer_ms(slow, False)
@@ -150,6 +150,8 @@ def test_completion_overheads_delay_transfers_not_notifications() -> None:
     ({**HOST, "memory": "VRAM"}, "memory = 'DRAM' profiles only"),
     ({"rank_dispatch_us": 100.0}, "'rank_dispatch_us' without 'host_copy_cores'"),
     ({"oracle_core_gbps": 2.0}, "'oracle_core_gbps' without 'host_copy_cores'"),
+    ({**HOST, "oracle_op_us": 900.0}, "'oracle_op_us' without 'oracle_core_gbps'"),
+    ({"rank_op_dispatch_us": 300.0}, "'rank_op_dispatch_us' without 'host_copy_cores'"),
     ({**HOST, "rank_dispatch_us": -5}, "'rank_dispatch_us' = -5: expected a finite number > 0"),
 ])
 def test_bad_host_keys_say_what_is_allowed(overrides: dict[str, Any], fragment: str) -> None:
@@ -183,7 +185,7 @@ def test_host_block_replaces_itself_and_loads(tmp_path: Path) -> None:
     base = CPU_BASE.read_text()  # the shipped profile without its host block
     once = replace_host_block(base, host_block(HostFit(2, 1.5, 250.0, 9.0, 300.0, 4.0), meta))
     twice = replace_host_block(once, host_block(HostFit(2, 2.5, 100.0, 9.0, 400.0, 3.5, 1000.0,
-                                                        100.0), meta))
+                                                        100.0, oracle_op_us=1200.0), meta))
     assert twice.count("host_copy_cores =") == 1 and "host_copy_core_gbps = 2.5" in twice
     assert twice.count("rank_dispatch_us =") == 1 and twice.count("oracle_core_gbps =") == 1
     path = tmp_path / "p.toml"
@@ -192,6 +194,11 @@ def test_host_block_replaces_itself_and_loads(tmp_path: Path) -> None:
     assert (p.host_cores, p.host_copy_core_bandwidth) == (2, pytest.approx(2.5e9))
     assert p.rank_dispatch == pytest.approx(400e-6)
     assert p.oracle_core_bandwidth == pytest.approx(3.5e9)
+    assert p.oracle_time(7_000_000) == pytest.approx(1.2e-3 + 2e-3)  # per op + bytes
+    assert "oracle_op_us" not in once  # a fit without the term writes no key
+    # the FIT set's candidates carry it too
+    assert HostFit(2, 2.5, 100.0, 9.0, 400.0, 3.5, oracle_op_us=1200.0).overrides()[
+        "oracle_op_us"] == 1200.0
     assert p.completion_overhead == pytest.approx(109e-6)
     assert replace_host_block(twice, None).strip() == base.strip()
     # the shipped profile's own block (written by calibrate --host) is replaced the same way
@@ -228,7 +235,9 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
     monkeypatch.setattr(vf, "validate", fake_validate)
     monkeypatch.setattr(vf, "measure_coordinator_message", lambda: 10e-6)
     monkeypatch.setattr(vf, "measured_cpu", lambda results, unprepped: {
-        "oracle_core_gbps": 4.0, "rank_dispatch_us": 200.0, "oracle_bytes": 4e6,
+        "oracle_core_gbps": 4.0, "oracle_op_us": 0.0, "oracle_ops": 4, "rank_dispatch_us": 200.0,
+        "rank_op_dispatch_us": 0.0, "rank_op_dispatch_unprepped_us": 300.0,
+        "oracle_bytes": 4e6,
         "rank_dispatch_unprepped_us": 600.0, "unprepped_files": 1,
         "oracle_cpu_seconds": 1e-3, "start_ops": 10, "start_cpu_seconds": 3e-3, "posts": 10,
         "post_cpu_seconds": 1e-3, "coordinator_call_us": 50.0, "coordinator_calls": 20,

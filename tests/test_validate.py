@@ -9,7 +9,7 @@ import pytest
 
 from hkvsim.cli import main
 from hkvsim.validate import (FileResult, ValidationError, coalescing_model_check, markdown,
-                             steady_transfer_median, steady_unexplained_median, summary, validate,
+                             steady_requests, steady_transfer_mean, steady_unexplained_mean, summary, validate,
                              write_outputs)
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,17 +25,46 @@ def test_steady_state_leaves_out_handshakes_the_first_request_and_failures() -> 
     data = {"request_details": [_req(0, 9.0, handshake=5.0), _req(1, 8.0), _req(2, 1.0),
                                 _req(3, 2.0), _req(4, 3.0), _req(5, 100.0, status="failed"),
                                 _req(6, None), _req(7, 7.0, handshake=0.1)]}
-    assert steady_transfer_median(data) == 2.5  # requests 1..4 -> median of 8, 1, 2, 3
+    assert steady_transfer_mean(data) == 3.5  # requests 1..4 -> mean of 8, 1, 2, 3
     data["request_details"][0]["phases"]["handshake"] = 0.0
-    assert steady_transfer_median(data) == 2.5  # request 0 is still the run's first
-    assert steady_transfer_median({"request_details": [_req(0, 1.0)]}) is None
+    assert steady_transfer_mean(data) == 3.5  # request 0 is still the run's first
+    assert steady_transfer_mean({"request_details": [_req(0, 1.0)]}) is None
+
+
+def _timed(index: int, arrival: float, first_post: float, done: float,
+           handshake: float = 0.0) -> dict:
+    out = _req(index, done - first_post, handshake=handshake)
+    out["times"] = {"start": arrival, "transfer_done": done}
+    return out
+
+
+def test_steady_state_leaves_out_requests_that_arrived_or_ran_during_the_warm_up() -> None:
+    # request 0 runs the handshake and lives from 0 to 10. Request 1 arrived with it; request 7
+    # arrived at 5 and posted only after 10: both waited on the warm-up. Request 2 arrives as it
+    # ends (touching is not overlapping). Request 3 arrived before request 4 (a later handshake)
+    # but its transfer overlaps request 4's life.
+    data = {"request_details": [
+        _timed(0, 0.0, 8.0, 10.0, handshake=7.0), _timed(1, 0.0, 9.0, 25.0),
+        _timed(2, 10.0, 10.0, 12.0), _timed(3, 20.0, 31.0, 32.0),
+        _timed(4, 30.0, 35.0, 38.0, handshake=1.0), _timed(5, 40.0, 41.0, 44.0),
+        _timed(6, 40.0, 45.0, 49.0), _timed(7, 5.0, 15.0, 17.0)]}
+
+    def steady() -> list[int]:
+        return [r["index"] for r in steady_requests(data["request_details"])]
+
+    assert steady() == [2, 5, 6]
+    assert steady_transfer_mean(data) == 3.0  # 2, 3, 4
+    data["request_details"][3]["times"]["transfer_done"] = 30.0  # ends as request 4 arrives
+    data["request_details"][3]["transfer_seconds"] = 1.0
+    assert steady() == [2, 3, 5, 6]
+    assert steady_transfer_mean(data) == 2.5  # 2, 1, 3, 4
 
 
 def test_unexplained_is_transfer_minus_post_and_wire_of_steady_requests() -> None:
     data = {"request_details": [_req(0, 9.0, post=1.0, wire=1.0), _req(1, 5.0, post=1.0, wire=2.0),
                                 _req(2, 4.0, post=0.5, wire=0.5), _req(3, 6.0, post=1.0, wire=1.0,
                                                                        handshake=2.0)]}
-    assert steady_unexplained_median(data) == 2.5  # requests 1 (2.0) and 2 (3.0)
+    assert steady_unexplained_mean(data) == 2.5  # requests 1 (2.0) and 2 (3.0)
 
 
 def _result(sim: float, reals: tuple[float, ...], coalesced: tuple = (5, 5)) -> FileResult:

@@ -78,10 +78,10 @@ class SimDriver:
         specs = [(e.engine_id, e.role, e.tp) for e in self.dep.all_engines()]
         self.fabric = Fabric(self.env, profile, place_engines(profile, specs))
         self.world = SimWorld(self.env, self.fabric, move_bytes=self.verify)
-        # bytes/s of oracle work per core when it is modelled (verified runs, host path), and
-        # the coordinator's CPU per call (host path; 0: calls reach their ranks at once)
-        self._oracle_rate = (profile.oracle_core_bandwidth
-                             if self.verify and profile.host_cores is not None else None)
+        # whether oracle work costs CPU (verified runs, host path, a profile that measured it),
+        # and the coordinator's CPU per call (host path; 0: calls reach their ranks at once)
+        self._oracle_costs_cpu = (self.verify and profile.host_cores is not None
+                                  and profile.oracle_core_bandwidth is not None)
         self._coordinator_call = profile.coordinator_call if profile.host_cores is not None else 0.0
         faults = None
         if scenario.faults:
@@ -179,7 +179,7 @@ class SimDriver:
         if isinstance(call.op, (Connect, ConnectNotifyOnly)):
             self.env.process(self._after_handshake_latency(call))
             return None
-        if self._oracle_rate and isinstance(call.op, (OracleWrite, Verify)):
+        if self._oracle_costs_cpu and isinstance(call.op, (OracleWrite, Verify)):
             self.env.process(self._after_oracle_work(call))
             return None
         return self._execute(call)
@@ -233,8 +233,8 @@ class SimDriver:
         rank's thread and a core of its node (it runs now; its reply waits for the work)."""
         reply = self._execute(call)
         layout = self.ranks[call.rank].worker.layout
-        yield self.fabric.cpu_work(call.rank, oracle_bytes(layout, call.op.blocks)
-                                   / self._oracle_rate)
+        yield self.fabric.cpu_work(
+            call.rank, self.fabric.profile.oracle_time(oracle_bytes(layout, call.op.blocks)))
         if self._woken is not None:  # its loop (and its NIXL polls) resume after the work
             self._woken[call.rank] = self.env.now
         self._deliver(lambda: self.coord.on_replies([reply], self.env.now))

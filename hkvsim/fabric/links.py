@@ -21,8 +21,9 @@ Model of one ``Fabric.transfer``:
    flow. Each node has a FIFO pool of ``host_copy_cores`` cores shared by all its ranks; a
    transfer waits for its rank's thread, then for a core of its node, and holds both for
    ``rank_dispatch`` (the rank's work before the post; ``rank_dispatch_unprepped`` for a
-   transfer made from raw descriptors, whose lists NIXL prepares on the call), the post, and ``nbytes /
-   host_copy_core_bandwidth`` (the copy). Concurrent transfers of the node beyond its cores queue
+   transfer made from raw descriptors, whose lists NIXL prepares on the call; the first
+   transfer of an operation, those a rank posts at one instant, adds ``rank_op_dispatch``),
+   the post, and ``nbytes / host_copy_core_bandwidth`` (the copy). Concurrent transfers of the node beyond its cores queue
    for one, which is what the ranks of a request see on a machine with fewer cores than ranks.
    With ``peer_poll_*`` the transfer then completes no earlier than the remote agent's first
    NIXL poll since the post (``peer_progress``, given by the transport).
@@ -181,6 +182,8 @@ class Fabric:
         self._routes: dict[tuple[Hashable, Hashable], tuple[tuple[_Link, ...], float]] = {}
         self._latencies: dict[tuple[Hashable, Hashable], float] = {}
         self._posting: dict[Endpoint, simpy.Resource] = {}
+        # host path: when each rank last started an operation's posts
+        self._op_posted_at: dict[Endpoint, float] = {}
         self._cores: dict[int, simpy.Resource] = {}  # host path: each node's CPU cores
         self._coordinator: simpy.Resource | None = None  # the coordinator's thread
         self._fid = 0
@@ -274,9 +277,14 @@ class Fabric:
         poster = self.endpoint(initiator)
         links, latency = self._route(src, dst)
         if self.profile.host_cores is not None:
+            dispatch = self.profile.dispatch_time(unprepped=unprepped)
+            # an operation posts all its transfers at one instant of simulated time: the first
+            # carries the operation's own dispatch (it plans them all before posting)
+            if self._op_posted_at.get(poster) != self.env.now:
+                self._op_posted_at[poster] = self.env.now
+                dispatch += self.profile.op_dispatch_time(unprepped=unprepped)
             return self.env.process(self._host_transfer(
-                poster, links, latency, n, d, peer_progress,
-                self.profile.dispatch_time(unprepped=unprepped)))
+                poster, links, latency, n, d, peer_progress, dispatch))
         return self.env.process(self._transfer(poster, links, latency, n, d))
 
     def notify(self, src: Hashable, dst: Hashable) -> simpy.Event:

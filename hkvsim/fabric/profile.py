@@ -28,6 +28,10 @@ Optional host-path keys (absent = not modelled; the GPU profiles leave them out)
 * ``rank_dispatch_unprepped_us`` (only with ``host_copy_cores``): the same for a transfer made
   from raw descriptors (``make_xfer``: ``descriptor_merge`` contiguous or strided), whose lists
   NIXL prepares on each call. Absent = ``rank_dispatch_us``.
+* ``rank_op_dispatch_us`` / ``rank_op_dispatch_unprepped_us`` (only with ``host_copy_cores``): a
+  rank's CPU per operation (one StartRead / StartWrite, which may post to several remote ranks)
+  before its first post, besides the per-post dispatch above; the second for an operation
+  posting raw descriptors (absent = the first). Absent = 0.
 * ``peer_poll_idle_us`` and ``peer_poll_busy_us`` (both or neither, only with
   ``host_copy_cores``): on UCX cma a posted transfer completes only once the remote agent's
   worker has progressed since the post (the remote rank's next call into NIXL). A rank process
@@ -42,6 +46,10 @@ Optional host-path keys (absent = not modelled; the GPU profiles leave them out)
   byte oracle of a verified run (the prefill rank writing a request's pattern, the decode rank
   checking it): that work holds a core of the rank's node too. Measured by ``hkvsim calibrate
   --host``; absent = the oracle costs no simulated time.
+* ``oracle_op_us`` (only with ``oracle_core_gbps``): the CPU one such fill or check costs
+  besides its bytes (its walk over layers and regions, the rank's handling of the operation):
+  a fill or check of ``n`` bytes costs ``oracle_op_us + n / oracle_core_gbps``. Measured by
+  ``hkvsim calibrate --host``; absent = 0.
 * ``completion_notice_us``: from a transfer's data landing to the rank's poll loop noticing it
   (the loop sleeps between NIXL polls).
 * ``coordinator_message_us``: the rank's completion message to the coordinator (one local
@@ -145,8 +153,12 @@ _SCHEMA: Final[tuple[_Field, ...]] = (
     _Field("rank_dispatch", "rank_dispatch_us", "float", "us", optional=True),
     _Field("rank_dispatch_unprepped", "rank_dispatch_unprepped_us", "float", "us",
            optional=True),
+    _Field("rank_op_dispatch", "rank_op_dispatch_us", "float", "us", optional=True),
+    _Field("rank_op_dispatch_unprepped", "rank_op_dispatch_unprepped_us", "float", "us",
+           optional=True),
     _Field("coordinator_call", "coordinator_call_us", "float", "us", optional=True),
     _Field("oracle_core_bandwidth", "oracle_core_gbps", "float", "gbps", optional=True),
+    _Field("oracle_op", "oracle_op_us", "float", "us", optional=True),
     _Field("peer_poll_idle", "peer_poll_idle_us", "float", "us", optional=True),
     _Field("peer_poll_busy", "peer_poll_busy_us", "float", "us", optional=True),
     _Field("completion_notice", "completion_notice_us", "float", "us", optional=True),
@@ -224,8 +236,11 @@ class FabricProfile:
     host_copy_core_bandwidth: float | None = None  # bytes/s one core copies
     rank_dispatch: float = 0.0  # seconds of a rank's CPU per transfer before its post (host path)
     rank_dispatch_unprepped: float = 0.0  # ... for a make_xfer transfer (0: rank_dispatch)
+    rank_op_dispatch: float = 0.0  # seconds per operation before its first post (host path)
+    rank_op_dispatch_unprepped: float = 0.0  # ... for an operation posting raw descriptors
     coordinator_call: float = 0.0  # seconds of the coordinator's CPU per call it sends (host path)
     oracle_core_bandwidth: float | None = None  # bytes/s one core fills or checks (host path)
+    oracle_op: float = 0.0  # seconds of CPU per oracle fill or check besides its bytes
     peer_poll_idle: float = 0.0  # seconds between a remote rank's NIXL polls, idle (host path)
     peer_poll_busy: float = 0.0  # ... and with transfers in flight
     completion_notice: float = 0.0  # seconds: the rank's poll loop noticing a completion
@@ -261,6 +276,21 @@ class FabricProfile:
             return self.rank_dispatch_unprepped
         return self.rank_dispatch
 
+    def op_dispatch_time(self, *, unprepped: bool = False) -> float:
+        """A rank's CPU per operation before its first host-path post, besides each transfer's
+        :meth:`dispatch_time`: ``rank_op_dispatch_unprepped`` for an operation posting raw
+        descriptors when the profile gives one, else ``rank_op_dispatch``."""
+        if unprepped and self.rank_op_dispatch_unprepped:
+            return self.rank_op_dispatch_unprepped
+        return self.rank_op_dispatch
+
+    def oracle_time(self, nbytes: int) -> float:
+        """Seconds of one core for an oracle fill or check of ``nbytes`` (host path, verified
+        runs): ``oracle_op + nbytes / oracle_core_bandwidth``."""
+        if self.oracle_core_bandwidth is None:
+            raise ValueError(f"profile {self.name!r} models no oracle CPU (no oracle_core_gbps)")
+        return self.oracle_op + nbytes / self.oracle_core_bandwidth
+
     def post_time(self, descriptors: int) -> float:
         """CPU time to post one transfer of ``descriptors`` descriptors (launch + n * alpha)."""
         return self.transfer_launch + descriptors * self.per_descriptor
@@ -269,7 +299,8 @@ class FabricProfile:
 #: Host-path keys that are CPU time on a node's core, so they need ``host_copy_cores`` (attrs)
 _NEED_HOST_CORES: Final[tuple[str, ...]] = ("rank_dispatch", "oracle_core_bandwidth",
                                             "peer_poll_idle", "coordinator_call",
-                                            "rank_dispatch_unprepped")
+                                            "rank_dispatch_unprepped", "rank_op_dispatch",
+                                            "rank_op_dispatch_unprepped")
 
 
 def _check_host_copy(get: Callable[[str], Any], memory: str, where: str) -> None:
@@ -286,6 +317,11 @@ def _check_host_copy(get: Callable[[str], Any], memory: str, where: str) -> None
                 f"{where}: {key!r} without 'host_copy_cores': it is CPU time on a node's core; "
                 "give the host copy model (host_copy_cores, host_copy_core_gbps) too or leave "
                 f"{key} out")
+    if get("oracle_op") and not get("oracle_core_bandwidth"):
+        raise ProfileError(
+            f"{where}: 'oracle_op_us' without 'oracle_core_gbps': it is the oracle's CPU per "
+            "fill or check besides its bytes; give oracle_core_gbps too or leave oracle_op_us "
+            "out")
     if (cores is None) != (rate is None):
         raise ProfileError(
             f"{where}: 'host_copy_cores' and 'host_copy_core_gbps' go together: give both "
