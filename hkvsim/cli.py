@@ -635,7 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "cores shared by every rank's dispatch, post, copy, completion and "
                         "oracle work and the coordinator's; fitted: per-core copy rate and "
                         "completion notice; measured in the real runs' processes: rank "
-                        "dispatch, coordinator CPU per call, oracle rate; the rank loop's poll "
+                        "dispatch per post and per operation, coordinator CPU per call, oracle "
+                        "CPU per operation and per byte; the rank loop's poll "
                         "periods) on the FIT scenario files, "
                         "judge them on the held-out files, and write the profile only if the "
                         "held-out median |error| <= 15 %% and the worst <= 40 %%")
