@@ -54,6 +54,8 @@ def coalesced_count(local: np.ndarray, remote: np.ndarray) -> int:
         return n
     la = local.astype(np.uint64, copy=False)
     ra = remote.astype(np.uint64, copy=False)
-    joins = ((la[1:, 0] == la[:-1, 0] + la[:-1, 1]) & (la[1:, 2] == la[:-1, 2])
-             & (ra[1:, 0] == ra[:-1, 0] + ra[:-1, 1]) & (ra[1:, 2] == ra[:-1, 2]))
+    joins = (la[1:, 0] == la[:-1, 0] + la[:-1, 1]) & (ra[1:, 0] == ra[:-1, 0] + ra[:-1, 1])
+    if not joins.any():  # (the devices matter only where both sides continue)
+        return n
+    joins &= (la[1:, 2] == la[:-1, 2]) & (ra[1:, 2] == ra[:-1, 2])
     return n - int(np.count_nonzero(joins))
