@@ -20,7 +20,9 @@ transfers with the pattern get their rows by adding the shifts back (a few numpy
 whatever the number of descriptors). The ids are checked from the pattern as well: every
 column inside the bounds that keep each row inside its segment (the same range check as the
 prepared path's; any other case falls back to the caller's full check, with its messages).
-Templates are kept per list pair and pattern, for transfers of up to ``MAX_IDS`` ids.
+Templates are kept per list pair and pattern, for transfers of up to ``MAX_IDS`` ids, made
+the second time a pattern is seen (a transfer whose pattern is new is merged by the caller,
+as without templates), and bounded in size (``_MAX_ROWS`` rows and runs per rank).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from .merge import merge_with_heads, region_index
 __all__ = ["PlanTemplates", "MAX_IDS"]
 
 MAX_IDS = 16384  # transfers with more ids are merged as they come (templates grow with them)
-_MAX_TEMPLATES = 256  # per list pair; cleared when full
+_MAX_ROWS = 1 << 16  # rows and runs all templates of a rank hold (~3 MiB); cleared beyond
+_MAX_SEEN = 4096  # patterns remembered as seen once
 
 # the pattern of the last columns seen (frozen columns: a request's ranks share them)
 _LAST_PATTERN: "tuple[list[np.ndarray], tuple[Any, ...]] | None" = None
@@ -88,16 +91,18 @@ class _Template:
     relative end; ``spans``: per part and side the pattern's lowest and highest column."""
 
     __slots__ = ("rows", "runs", "m", "rel", "coef", "which", "hulls", "spans", "devices",
-                 "info")
+                 "coalescing", "info")
 
     def __init__(self, info: _PairInfo, rows: np.ndarray, runs: np.ndarray | None,
                  rel: np.ndarray, coef: np.ndarray, which: np.ndarray,
                  hulls: list[list[tuple[int, int, int, int]]],
-                 spans: list[tuple[int, int, int, int]], devices: tuple[int, int]) -> None:
+                 spans: list[tuple[int, int, int, int]], devices: tuple[int, int],
+                 coalescing: tuple[int, list[tuple[tuple[int, ...], ...]]]) -> None:
         self.info = info
         self.rows, self.runs, self.m = rows, runs, rows.shape[1]
         self.rel, self.coef, self.which = rel, coef, which
         self.hulls, self.spans, self.devices = hulls, spans, devices
+        self.coalescing = coalescing  # (runs - fixed joins, the other boundaries)
 
 
 def _pattern(lo: OuterIds, ro: OuterIds) -> "tuple[Any, ...] | None":
@@ -118,9 +123,14 @@ def _pattern(lo: OuterIds, ro: OuterIds) -> "tuple[Any, ...] | None":
     for i, c in enumerate(cols):
         if i < n and c.size != cols[i + n].size:
             return None
-        c0 = int(c[0])
+        if c.size <= 16:  # a few columns: Python ints (fewer numpy calls)
+            v = c.tolist()
+            c0 = v[0]
+            key.append(tuple([x - c0 for x in v]))
+        else:
+            c0 = c.item(0)
+            key.append((c - c0).tobytes())
         firsts.append(c0)
-        key.append((c - c0).tobytes())
     got = (tuple(key), firsts)
     if lo.frozen and ro.frozen:  # never modified: remembered by identity
         _LAST_PATTERN = (cols, got)
@@ -130,9 +140,12 @@ def _pattern(lo: OuterIds, ro: OuterIds) -> "tuple[Any, ...] | None":
 class PlanTemplates:
     """One rank's templates (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sightings: int = 2) -> None:
+        self.sightings = sightings  # a pattern's template is made when it is seen this often
         self._geometry: dict[Any, Any] = {}  # transport.outer.pair_geometry's cache
         self._infos: dict[int, _PairInfo] = {}
+        self._seen: dict[Any, int] = {}  # sightings of patterns without a template
+        self._stored = 0  # rows and runs the templates hold
 
     def plan(self, local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterIds,
              mode: str, local_bases: Any, remote_bases: Any
@@ -161,12 +174,24 @@ class PlanTemplates:
         tkey = (mode, key)
         t = info.templates.get(tkey)
         if t is None:
+            # a template is made the second time a pattern is seen (making one costs more
+            # than merging as the caller does; a pattern seen once may never come back)
+            seen = (id(pair), tkey)
+            if self._seen.get(seen, 0) + 1 < self.sightings:
+                if len(self._seen) >= _MAX_SEEN:
+                    self._seen.clear()
+                self._seen[seen] = self._seen.get(seen, 0) + 1
+                return None
             if not _inside(pair, lo, ro):
                 return None
-            if len(info.templates) >= _MAX_TEMPLATES:
-                info.templates.clear()
-            t = info.templates[tkey] = _build(info, lo, ro, mode, firsts, local.device,
-                                              remote.device)
+            t = _build(info, lo, ro, mode, firsts, local.device, remote.device)
+            size = t.rows.shape[1] + (0 if t.runs is None else t.runs.shape[1])
+            if self._stored + size > _MAX_ROWS:  # bounded memory: start again
+                for other in self._infos.values():
+                    other.templates.clear()
+                self._stored = 0
+            info.templates[tkey] = t
+            self._stored += size
         else:
             n = len(pair.local)
             for p, (a, b) in enumerate(zip(pair.local, pair.remote)):
@@ -179,15 +204,21 @@ class PlanTemplates:
         hulls = [(dev, min([lo + firsts[w] * c for w, c, lo, _ in groups]),
                   max([hi + firsts[w] * c for w, c, _, hi in groups]))
                  for dev, groups in zip(t.devices, t.hulls)]
+        coalesced, varying = t.coalescing
+        for side_l, side_r in varying:  # boundaries whose join depends on the shifts
+            w0, c0, e0, w1, c1, a1 = side_l
+            if a1 + firsts[w1] * c1 == e0 + firsts[w0] * c0:
+                w0, c0, e0, w1, c1, a1 = side_r
+                coalesced -= a1 + firsts[w1] * c1 == e0 + firsts[w0] * c0
         rows = t.rows.copy()
         m = t.m
         rows[:, :, 0] = addrs[:, :m]
         if t.runs is None:
-            return (PlannedRows(rows[0], rows[0], t, hulls[0]),
+            return (PlannedRows(rows[0], rows[0], t, hulls[0], coalesced),
                     PlannedRows(rows[1], rows[1], t, hulls[1]))
         runs = t.runs.copy()
         runs[:, :, 0] = addrs[:, m:]
-        return (PlannedRows(rows[0], runs[0], t, hulls[0]),
+        return (PlannedRows(rows[0], runs[0], t, hulls[0], coalesced),
                 PlannedRows(rows[1], runs[1], t, hulls[1]))
 
 
@@ -252,9 +283,20 @@ def _build(info: _PairInfo, lo: OuterIds, ro: OuterIds, mode: str, firsts: list[
             sel = (w == key[0]) & (c == key[1])
             groups.append((key[0], key[1], int(r[sel].min()), int(e[sel].max())))
         hulls.append(groups)
+    # NIXL's coalescing of the runs: a join between two runs shifted alike on both sides is
+    # the same for every transfer of the template; the others are settled per transfer
+    flat = rows if runs is None else runs
+    w, c, r = which[:, m_ends:], coef[:, m_ends:], rel[:, m_ends:]
+    lens = flat[0, :, 1].astype(np.int64)
+    joins = (flat[:, 1:, 0] == flat[:, :-1, 0] + flat[:, :-1, 1]).all(axis=0)
+    alike = ((w[:, 1:] == w[:, :-1]) & (c[:, 1:] == c[:, :-1])).all(axis=0)
+    fixed = int(flat.shape[1]) - int(np.count_nonzero(joins & alike))
+    varying = [tuple((int(w[s_, b]), int(c[s_, b]), int(r[s_, b] + lens[b]), int(w[s_, b + 1]),
+                      int(c[s_, b + 1]), int(r[s_, b + 1])) for s_ in (0, 1))
+               for b in np.flatnonzero(~alike).tolist()]
     spans = []
     for (_, lc), (_, rc), l0, r0 in zip(lo.parts, ro.parts, firsts[:n], firsts[n:]):
         spans.append((int(lc.min()) - l0, int(lc.max()) - l0, int(rc.min()) - r0,
                       int(rc.max()) - r0))
     return _Template(info, rows, runs, rel, coef, which, hulls, spans,
-                     (local_device, remote_device))
+                     (local_device, remote_device), (fixed, varying))

@@ -392,8 +392,12 @@ class ConnectorWorker:
                 state_d.append(d_slots)
         empty = np.zeros(0, np.int64)
         join = (lambda parts: np.concatenate(parts) if parts else empty)
-        paired = _PairedBlocks(attention_prefill=join(attn_p), attention_decode=join(attn_d),
-                               state_prefill=join(state_p), state_decode=join(state_d))
+        # one attention group: its pairing's arrays are already new (expand_logical), not
+        # the request's, so they need no copy
+        paired = _PairedBlocks(
+            attention_prefill=attn_p[0] if len(attn_p) == 1 else join(attn_p),
+            attention_decode=attn_d[0] if len(attn_d) == 1 else join(attn_d),
+            state_prefill=join(state_p), state_decode=join(state_d))
         if "attention-only-transfer" in quirks:  # decode runs from zeroed state (ATOM #2154)
             paired.state_prefill, paired.state_decode = empty, empty
         return paired

@@ -16,7 +16,8 @@ import numpy as np
 
 from .affine import AffineList, PairedRuns
 from .outer import OuterIds, OuterPairs, outer_pairs
-from .planned import PlannedRows, runs_hull
+from .coalesce import coalesced_count
+from .planned import PlannedRows, hull_of, runs_hull, vouch
 
 __all__ = ["DONE", "PROC", "ERR", "MEM_TYPES", "TransportError", "Memory", "XferTelemetry",
            "Transport", "AgentAnnouncement", "PeerRegistrations", "check_descriptor_array",
@@ -493,8 +494,7 @@ def registration_problem(descs: "np.ndarray | AffineList", ranges: np.ndarray, *
         return None
     if descs.dtype == np.uint64 and ranges.shape[0]:
         # every row inside one range: the rows' hull is (one device, no address wraps)
-        got = _RUN_HULLS.pop(id(descs), None)
-        hull = got[1] if got is not None and got[0] is descs else runs_hull(descs)
+        hull = hull_of(descs) or runs_hull(descs)  # (PlannedRows' runs: the template's)
         if hull is not None:
             dev, lo, hi = hull
             for a, n, d in ranges.tolist():
@@ -530,9 +530,6 @@ class PairedDescriptors:
 #: templates (PlannedRows.token) whose rows pair_descriptors has checked in full, by id (the
 #: entry keeps the token alive, so its id names no other object)
 _CHECKED_TOKENS: dict[int, Any] = {}
-#: the runs pair_descriptors last returned from checked PlannedRows -> (runs, hull), for the
-#: registration checks of the same transfer (registration_problem: used once, by identity)
-_RUN_HULLS: dict[int, Any] = {}
 
 
 def pair_descriptors(local_descs: Any, remote_descs: Any, *, what: str) -> PairedDescriptors:
@@ -549,9 +546,7 @@ def pair_descriptors(local_descs: Any, remote_descs: Any, *, what: str) -> Paire
         if remote_descs.token is token:
             strided = local_descs.rows.shape[1] == 5
             if _CHECKED_TOKENS.get(id(token)) is token:
-                global _RUN_HULLS
-                lr, rr = local_descs.runs, remote_descs.runs
-                _RUN_HULLS = {id(lr): (lr, local_descs.hull), id(rr): (rr, remote_descs.hull)}
+                vouch(local_descs, remote_descs)
                 return PairedDescriptors(
                     local=local_descs.runs, remote=remote_descs.runs,
                     local_strided=local_descs.rows if strided else None,
@@ -560,7 +555,9 @@ def pair_descriptors(local_descs: Any, remote_descs: Any, *, what: str) -> Paire
             if (np.array_equal(checked.local, local_descs.runs)
                     and np.array_equal(checked.remote, remote_descs.runs)
                     and runs_hull(checked.local) == local_descs.hull
-                    and runs_hull(checked.remote) == remote_descs.hull):
+                    and runs_hull(checked.remote) == remote_descs.hull
+                    and local_descs.coalesced in (None, coalesced_count(checked.local,
+                                                                        checked.remote))):
                 if len(_CHECKED_TOKENS) >= 4096:
                     _CHECKED_TOKENS.clear()
                 _CHECKED_TOKENS[id(token)] = token

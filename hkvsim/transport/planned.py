@@ -24,7 +24,33 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PlannedRows", "runs_hull"]
+__all__ = ["PlannedRows", "runs_hull", "vouch", "hull_of", "coalesced_of"]
+
+
+# the runs of the last transfer whose PlannedRows were taken as given (vouch) -> their facts
+_LAST: dict[int, tuple[Any, ...]] = {}
+
+
+def vouch(local: PlannedRows, remote: PlannedRows) -> None:
+    """pair_descriptors hands out the runs of checked PlannedRows: remember their facts for
+    the rest of the same transfer's checks (hull_of, coalesced_of), by identity. The runs are
+    made read-only; only the last transfer's are remembered."""
+    global _LAST
+    lr, rr = local.runs, remote.runs
+    lr.flags.writeable = rr.flags.writeable = False
+    _LAST = {id(lr): (lr, local.hull, rr, local.coalesced), id(rr): (rr, remote.hull, None, None)}
+
+
+def hull_of(runs: np.ndarray) -> tuple[int, int, int] | None:
+    """The hull of runs just vouched for, else None."""
+    got = _LAST.get(id(runs))
+    return got[1] if got is not None and got[0] is runs else None
+
+
+def coalesced_of(local: np.ndarray, remote: np.ndarray) -> int | None:
+    """NIXL's coalesced count of a pair of runs just vouched for, else None."""
+    got = _LAST.get(id(local))
+    return got[3] if got is not None and got[0] is local and got[2] is remote else None
 
 
 def runs_hull(runs: np.ndarray) -> tuple[int, int, int] | None:
@@ -43,14 +69,16 @@ class PlannedRows:
     """One side's rows (``rows``: (M, 3) or (M, 5) uint64), their per-run (N, 3) uint64
     expansion (``runs``; the rows themselves when M x 3), the template they came from
     (``token``, the same object on both sides of a transfer) and the runs' hull (``hull``:
-    device, lowest address, highest end; computed from the template, compared with the runs
-    when the token is checked)."""
+    device, lowest address, highest end) and, on the local side, NIXL's coalesced count of the
+    runs of both sides (``coalesced``; None: not known) -- both computed from the template and
+    compared with the runs' own when the token is checked."""
 
-    __slots__ = ("rows", "runs", "token", "hull")
+    __slots__ = ("rows", "runs", "token", "hull", "coalesced")
 
     def __init__(self, rows: np.ndarray, runs: np.ndarray, token: Any,
-                 hull: tuple[int, int, int]) -> None:
+                 hull: tuple[int, int, int], coalesced: int | None = None) -> None:
         self.rows, self.runs, self.token, self.hull = rows, runs, token, hull
+        self.coalesced = coalesced  # NIXL's coalesced count of the runs of both sides
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -108,6 +108,17 @@ def _ids(dl: AffineList, n_attn: int, n_state: int, attn: np.ndarray, slots: np.
     return OuterIds([(got[1], attn), (got[2], slots)], frozen=True)
 
 
+def _coalesced_reference(local: np.ndarray, remote: np.ndarray) -> int:
+    """NIXL's coalescing walked in plain Python (pairs continuing the previous on both sides,
+    same device)."""
+    n = len(local)
+    for i in range(1, len(local)):
+        if all(int(s[i, 0]) == int(s[i - 1, 0]) + int(s[i - 1, 1]) and s[i, 2] == s[i - 1, 2]
+               for s in (local, remote)):
+            n -= 1
+    return n
+
+
 def _check(got, ref) -> None:
     lrows, rrows = got
     assert lrows.token is rrows.token
@@ -116,6 +127,7 @@ def _check(got, ref) -> None:
     for side in (lrows, rrows):
         assert np.array_equal(side.runs, expand(side.rows))
         assert side.hull == runs_hull(side.runs)
+    assert lrows.coalesced == _coalesced_reference(lrows.runs, rrows.runs)
 
 
 @pytest.mark.parametrize("mode", ["contiguous", "strided"])
@@ -127,7 +139,7 @@ def test_templates_give_the_full_paths_rows(mode: str) -> None:
     tokens: set = set()
     for seed in range(400):
         rng, local, remote, lreg, rreg, n_attn, n_state = _case(seed)
-        templates = PlanTemplates()
+        templates = PlanTemplates(sightings=1)
         n = int(rng.integers(1, 12))
         kind = str(rng.choice(["consecutive", "runs", "mixed"]))
         pa, pr = _pattern(rng, n, kind), _pattern(rng, n, kind)
@@ -173,14 +185,18 @@ def test_template_refuses_geometries_it_cannot_settle() -> None:
                              page=64, gap=0)
     cols = np.arange(3, dtype=np.int64)
     lo, ro = _ids(local, 2, 1, cols, cols[:1]), _ids(remote, 2, 1, cols, cols[:1])
-    assert PlanTemplates().plan(local, lo, remote, ro, "strided", lreg, rreg) is not None
+
+    def plan1(lbases: list[int], rbases: list[int]):
+        return PlanTemplates(sightings=1).plan(local, lo, remote, ro, "strided", lbases, rbases)
+
+    assert plan1(lreg, rreg) is not None
     # both attention segments in one region on one side: merging never joins them
     shared_l, shared_r = lreg[:1] + lreg[2:], rreg[:1] + rreg[2:]
-    assert PlanTemplates().plan(local, lo, remote, ro, "strided", shared_l, rreg) is not None
+    assert plan1(shared_l, rreg) is not None
     # ... on both sides: it may, depending on the columns
-    assert PlanTemplates().plan(local, lo, remote, ro, "strided", shared_l, shared_r) is None
+    assert plan1(shared_l, shared_r) is None
     inside = lreg + [lreg[0] + 5 * 256]  # a registration boundary inside a segment
-    assert PlanTemplates().plan(local, lo, remote, ro, "strided", inside, rreg) is None
+    assert plan1(inside, rreg) is None
 
 
 def _planned(mode: str = "strided"):
@@ -191,7 +207,7 @@ def _planned(mode: str = "strided"):
                              page=256, gap=0)
     cols = np.array([1, 2, 3, 7, 8, 9], dtype=np.int64)
     slots = np.array([0, 2], dtype=np.int64)
-    templates = PlanTemplates()
+    templates = PlanTemplates(sightings=1)
     return lambda shift: templates.plan(local, _ids(local, 1, 2, cols + shift, slots),
                                         remote, _ids(remote, 1, 2, cols + shift, slots),
                                         mode, lreg, rreg)
@@ -214,14 +230,16 @@ def test_pair_descriptors_checks_a_template_in_full_once() -> None:
     assert again.local is l2.runs and again.remote is r2.runs
     assert np.array_equal(again.local, pair_descriptors(l2.rows, r2.rows, what="t").local)
     # a wrong expansion, or a wrong hull: checked in full, not marked
-    for bad in ("runs", "hull"):
+    for bad in ("runs", "hull", "coalesced"):
         other = _planned()
         bl, br = other(0)
         if bad == "runs":
             bl.runs = bl.runs.copy()
             bl.runs[0, 0] += 1
-        else:
+        elif bad == "hull":
             bl.hull = (bl.hull[0], bl.hull[1] - 1, bl.hull[2])
+        else:
+            bl.coalesced += 1
         got = pair_descriptors(bl, br, what="t")
         assert np.array_equal(got.local, expand(bl.rows))
         assert tbase._CHECKED_TOKENS.get(id(bl.token)) is not bl.token
@@ -306,7 +324,7 @@ def test_worker_posts_template_rows_and_refuses_bad_ids() -> None:
             plan.request = req
             plan.once()
             local, remote, was_planned = posted[-1]
-            assert was_planned
+            assert was_planned == (shift != 0)  # a template from the second sighting on
             assert np.array_equal(local, ref.local) and np.array_equal(remote, ref.remote)
         del rng
         # a block id beyond the list: the full check's message, not a template's answer
@@ -328,7 +346,7 @@ def test_rows_sharing_a_region_with_other_strides_merge_as_the_full_path(pattern
     remote, rreg = _geometry(rng, 1 << 40, lens=[256, 256], state_lens=[64], spaced=[1, 2],
                              page=64, gap=0)
     lreg, rreg = lreg[:1] + lreg[2:], rreg[:1] + rreg[2:]
-    templates = PlanTemplates()
+    templates = PlanTemplates(sightings=1)
     checked = 0
     for c0 in list(range(0, 36)) + list(range(35, -1, -1)):
         cols = np.array(pattern, dtype=np.int64) + c0
@@ -352,3 +370,45 @@ def test_registration_hull_at_the_range_end() -> None:
     rows[1, 1] = 100
     rows[0, 0] = 4095
     assert registration_problem(rows, ranges, whose="w").startswith("descriptor 0 ")
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "strided"])
+def test_coalescing_across_parts_follows_the_shift(mode: str) -> None:
+    """The last attention block and the first state slot are adjacent in memory (different
+    registered regions: merging keeps them apart, NIXL's coalescing does not) only for some
+    shifts of the columns: a template's coalesced count must follow every shift."""
+    rng = np.random.default_rng(0)
+    local, lreg = _geometry(rng, 1 << 32, lens=[256], state_lens=[64, 128], spaced=[1],
+                            page=192, gap=0)
+    remote, rreg = _geometry(rng, 1 << 40, lens=[256], state_lens=[64, 128], spaced=[1],
+                             page=192, gap=0)
+    templates = PlanTemplates(sightings=1)
+    counts = set()
+    for c0 in (37, 36, 35, 37, 30, 37):
+        cols = np.array([0, 1, 2], dtype=np.int64) + c0
+        slots = np.array([0], dtype=np.int64)
+        lo, ro = _ids(local, 1, 2, cols, slots), _ids(remote, 1, 2, cols, slots)
+        got = templates.plan(local, lo, remote, ro, mode, lreg, rreg)
+        _check(got, _reference(local, lo, remote, ro, mode, lreg, rreg))
+        counts.add(got[0].coalesced)
+    assert len(counts) == 2  # adjacent (37) or not
+
+
+def test_a_template_is_made_at_the_second_sighting() -> None:
+    """By default a pattern seen once is merged by the caller (None); the second transfer
+    with it makes the template, the third reuses it."""
+    rng = np.random.default_rng(3)
+    local, lreg = _geometry(rng, 1 << 32, lens=[256], state_lens=[64], spaced=[1], page=64,
+                            gap=0)
+    remote, rreg = _geometry(rng, 1 << 40, lens=[256], state_lens=[64], spaced=[2], page=64,
+                             gap=0)
+    templates = PlanTemplates()
+    slots = np.array([1], dtype=np.int64)
+    got = []
+    for shift in (0, 4, 9):
+        cols = np.array([0, 1, 4], dtype=np.int64) + shift
+        lo, ro = _ids(local, 1, 1, cols, slots), _ids(remote, 1, 1, cols, slots)
+        got.append(templates.plan(local, lo, remote, ro, "strided", lreg, rreg))
+        if got[-1] is not None:
+            _check(got[-1], _reference(local, lo, remote, ro, "strided", lreg, rreg))
+    assert got[0] is None and got[1] is not None and got[2][0].token is got[1][0].token
