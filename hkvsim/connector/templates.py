@@ -22,7 +22,7 @@ column inside the bounds that keep each row inside its segment (the same range c
 prepared path's; any other case falls back to the caller's full check, with its messages).
 Templates are kept per list pair and pattern, for transfers of up to ``MAX_IDS`` ids, made
 the second time a pattern is seen (a transfer whose pattern is new is merged by the caller,
-as without templates), and bounded in size (``_MAX_ROWS`` rows and runs per rank).
+as without templates), and bounded in size (``_MAX_BYTES`` per rank, their keys included).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from .merge import merge_with_heads, region_index
 __all__ = ["PlanTemplates", "MAX_IDS"]
 
 MAX_IDS = 16384  # transfers with more ids are merged as they come (templates grow with them)
-_MAX_ROWS = 1 << 16  # rows and runs all templates of a rank hold (~3 MiB); cleared beyond
-_MAX_SEEN = 4096  # patterns remembered as seen once
+_MAX_BYTES = 8 << 20  # what all templates of a rank hold, keys included; cleared beyond
+_MAX_SEEN = 4096  # patterns remembered as seen (by hash: a collision only makes a template early)
 
 # the pattern of the last columns seen (frozen columns: a request's ranks share them)
 _LAST_PATTERN: "tuple[list[np.ndarray], tuple[Any, ...]] | None" = None
@@ -144,8 +144,8 @@ class PlanTemplates:
         self.sightings = sightings  # a pattern's template is made when it is seen this often
         self._geometry: dict[Any, Any] = {}  # transport.outer.pair_geometry's cache
         self._infos: dict[int, _PairInfo] = {}
-        self._seen: dict[Any, int] = {}  # sightings of patterns without a template
-        self._stored = 0  # rows and runs the templates hold
+        self._seen: dict[tuple[int, int], int] = {}  # sightings of patterns without a template
+        self._stored = 0  # bytes the templates hold
 
     def plan(self, local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterIds,
              mode: str, local_bases: Any, remote_bases: Any
@@ -176,7 +176,7 @@ class PlanTemplates:
         if t is None:
             # a template is made the second time a pattern is seen (making one costs more
             # than merging as the caller does; a pattern seen once may never come back)
-            seen = (id(pair), tkey)
+            seen = (id(pair), hash(tkey))
             if self._seen.get(seen, 0) + 1 < self.sightings:
                 if len(self._seen) >= _MAX_SEEN:
                     self._seen.clear()
@@ -185,8 +185,9 @@ class PlanTemplates:
             if not _inside(pair, lo, ro):
                 return None
             t = _build(info, lo, ro, mode, firsts, local.device, remote.device)
-            size = t.rows.shape[1] + (0 if t.runs is None else t.runs.shape[1])
-            if self._stored + size > _MAX_ROWS:  # bounded memory: start again
+            size = (t.rows.nbytes + (0 if t.runs is None else t.runs.nbytes) + 3 * t.rel.nbytes
+                    + sum(len(k) if isinstance(k, bytes) else 8 * len(k) for k in key))
+            if self._stored + size > _MAX_BYTES:  # bounded memory: start again
                 for other in self._infos.values():
                     other.templates.clear()
                 self._stored = 0

@@ -548,7 +548,10 @@ class ConnectorWorker:
         descriptor id. ``"contiguous"`` / ``"strided"``: the same pairs, merged into fewer
         descriptors (connector/merge.py) and posted non-prepped (``Transport.make_xfer``); the
         ids, the pairing and the bytes moved are unchanged, and no merged descriptor spans two
-        registered regions (cache tensors) on either side."""
+        registered regions (cache tensors) on either side. Ids whose pattern was seen before
+        get their rows from a template (connector/templates.py: the same rows, without
+        checking and merging every descriptor again); any other ids are checked and merged
+        here."""
         mode = self.settings.descriptor_merge
         if mode == "off":
             return self.transport.make_prepped_xfer(op, local_handle, local_ids,

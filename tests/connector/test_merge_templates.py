@@ -412,3 +412,30 @@ def test_a_template_is_made_at_the_second_sighting() -> None:
         if got[-1] is not None:
             _check(got[-1], _reference(local, lo, remote, ro, "strided", lreg, rreg))
     assert got[0] is None and got[1] is not None and got[2][0].token is got[1][0].token
+
+
+def test_templates_stay_within_their_memory_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the bound every template is dropped (and made again when a pattern comes back);
+    answers stay the full path's."""
+    from hkvsim.connector import templates as module
+
+    monkeypatch.setattr(module, "_MAX_BYTES", 16384)
+    rng = np.random.default_rng(11)
+    local, lreg = _geometry(rng, 1 << 32, lens=[256], state_lens=[64], spaced=[1], page=64,
+                            gap=0)
+    remote, rreg = _geometry(rng, 1 << 40, lens=[256], state_lens=[64], spaced=[3], page=64,
+                             gap=0)
+    templates = PlanTemplates(sightings=1)
+    slots = np.array([2], dtype=np.int64)
+    held, drops = 0, 0
+    for _ in range(40):
+        cols = _pattern(rng, 12, "runs") + 1
+        lo, ro = _ids(local, 1, 1, cols, slots), _ids(remote, 1, 1, cols, slots)
+        got = templates.plan(local, lo, remote, ro, "strided", lreg, rreg)
+        assert got is not None
+        _check(got, _reference(local, lo, remote, ro, "strided", lreg, rreg))
+        assert templates._stored <= 16384
+        now = sum(len(info.templates) for info in templates._infos.values())
+        drops += now < held
+        held = now
+    assert drops >= 2
