@@ -20,6 +20,8 @@ class PairingError(ValueError):
 def expand_logical(logical_ids: np.ndarray, ppl: int) -> np.ndarray:
     """logical * ppl + [0..ppl) for every id, in order (attention groups only)."""
     ids = np.asarray(logical_ids, dtype=np.int64)
+    if ppl == 1:  # (the common case: the ids themselves, as a new array)
+        return ids.reshape(-1).copy()
     return (ids[:, None] * ppl + np.arange(ppl, dtype=np.int64)[None, :]).reshape(-1)
 
 

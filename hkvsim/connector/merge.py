@@ -43,7 +43,7 @@ import numpy as np
 from ..transport.base import expand_strided
 
 __all__ = ["MERGE_MODES", "MergedPlan", "merge_contiguous", "merge_strided", "merge_descriptors",
-           "expand", "byte_pairs", "region_index", "collapsed_pairs"]
+           "merge_with_heads", "expand", "byte_pairs", "region_index", "collapsed_pairs"]
 
 MERGE_MODES = ("off", "contiguous", "strided")
 
@@ -179,6 +179,13 @@ def merge_strided(local: np.ndarray, remote: np.ndarray, regions: Regions = None
     """Contiguous merge, then strided rows: returns two (M, 5) uint64 arrays of
     (addr, len, dev, stride, count); a row with count 1 has stride = len."""
     lo, re = _pairs(local, remote)
+    out_l, out_r, _ = _strided(lo, re, regions)
+    return out_l, out_r
+
+
+def _strided(lo: np.ndarray, re: np.ndarray, regions: Regions
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`merge_strided` of checked pairs, and the index of every row's first pair."""
     starts = _contiguous_starts(lo, re, regions)
     cl, cr = _joined(lo, re, starts)
     m = cl.shape[0]
@@ -205,7 +212,7 @@ def merge_strided(local: np.ndarray, remote: np.ndarray, regions: Regions = None
             r[pos, 3] = side[firsts + 1, 0] - side[firsts, 0]
         r[:, 4] = count
         out.append(r)
-    return out[0], out[1]
+    return out[0], out[1], starts[rows]
 
 
 def merge_descriptors(local: np.ndarray, remote: np.ndarray, mode: str,
@@ -219,6 +226,22 @@ def merge_descriptors(local: np.ndarray, remote: np.ndarray, mode: str,
     if mode == "off":
         lo, re = _pairs(local, remote)
         return MergedPlan(lo.copy(), re.copy())
+    raise ValueError(f"unknown descriptor_merge {mode!r}; allowed: {', '.join(MERGE_MODES)}")
+
+
+def merge_with_heads(local: np.ndarray, remote: np.ndarray, mode: str, regions: Regions = None
+                     ) -> tuple[MergedPlan, np.ndarray]:
+    """:func:`merge_descriptors`, and the index (into ``local``/``remote``) of the first pair
+    of every row of the plan (connector/templates.py: which row of the ids it came from)."""
+    lo, re = _pairs(local, remote)
+    if mode == "strided":
+        out_l, out_r, heads = _strided(lo, re, regions)
+        return MergedPlan(out_l, out_r), heads
+    if mode == "contiguous":
+        starts = _contiguous_starts(lo, re, regions)
+        return MergedPlan(*_joined(lo, re, starts)), starts
+    if mode == "off":
+        return MergedPlan(lo.copy(), re.copy()), np.arange(lo.shape[0])
     raise ValueError(f"unknown descriptor_merge {mode!r}; allowed: {', '.join(MERGE_MODES)}")
 
 

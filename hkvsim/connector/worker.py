@@ -15,6 +15,7 @@ import numpy as np
 
 from ..geometry.layout import EngineLayout
 from ..transport.base import DONE, ERR, PROC, Memory, Transport, TransportError, check_pairs
+from ..transport.outer import OuterIds
 from .blocks import PairingError, expand_logical, pair_attention, pair_state_slots, to_sub_blocks
 from .descriptors import (
     DescriptorList,
@@ -33,6 +34,7 @@ from .metadata import (
     rank_metadata,
 )
 from .push import WriteRequest
+from .templates import PlanTemplates
 from .tp import SourcePlan, handshake_targets, source_plan
 from .validate import (
     HandshakeError,
@@ -155,6 +157,7 @@ class ConnectorWorker:
         self._released: list[str] = []  # requests whose last live handle was just released
         self.notification_failures = 0
         self._notify_agents: set[str] = set()
+        self._templates = PlanTemplates()  # descriptor_merge: merged rows by id structure
         self.state_regions = [i for i, r in enumerate(layout.regions)
                               if set(r.layers) & set(self.model.state_layers)]
 
@@ -340,9 +343,9 @@ class ConnectorWorker:
         remote_ids = remote_list.outer_ids(ra, rs, frozen=True)
         nbytes = ((0 if la is None else la.size * local_list.attention_bytes)
                   + (0 if ls is None else ls.size * local_list.state_bytes))
-        if not self._outer_ids:
+        if not self._outer_ids and self.settings.descriptor_merge == "off":
             return local_ids.flat(), remote_ids.flat(), nbytes
-        return local_ids, remote_ids, nbytes
+        return local_ids, remote_ids, nbytes  # merging reads their structure (_make_xfer)
 
     def _pair_blocks(self, *, prefill_blocks: Mapping[int, np.ndarray],
                      decode_blocks: Mapping[int, np.ndarray], hit_blocks: int, ppl_p: int,
@@ -389,8 +392,12 @@ class ConnectorWorker:
                 state_d.append(d_slots)
         empty = np.zeros(0, np.int64)
         join = (lambda parts: np.concatenate(parts) if parts else empty)
-        paired = _PairedBlocks(attention_prefill=join(attn_p), attention_decode=join(attn_d),
-                               state_prefill=join(state_p), state_decode=join(state_d))
+        # one attention group: its pairing's arrays are already new (expand_logical), not
+        # the request's, so they need no copy
+        paired = _PairedBlocks(
+            attention_prefill=attn_p[0] if len(attn_p) == 1 else join(attn_p),
+            attention_decode=attn_d[0] if len(attn_d) == 1 else join(attn_d),
+            state_prefill=join(state_p), state_decode=join(state_d))
         if "attention-only-transfer" in quirks:  # decode runs from zeroed state (ATOM #2154)
             paired.state_prefill, paired.state_decode = empty, empty
         return paired
@@ -541,11 +548,22 @@ class ConnectorWorker:
         descriptor id. ``"contiguous"`` / ``"strided"``: the same pairs, merged into fewer
         descriptors (connector/merge.py) and posted non-prepped (``Transport.make_xfer``); the
         ids, the pairing and the bytes moved are unchanged, and no merged descriptor spans two
-        registered regions (cache tensors) on either side."""
+        registered regions (cache tensors) on either side. Ids whose pattern was seen before
+        get their rows from a template (connector/templates.py: the same rows, without
+        checking and merging every descriptor again); any other ids are checked and merged
+        here."""
         mode = self.settings.descriptor_merge
         if mode == "off":
             return self.transport.make_prepped_xfer(op, local_handle, local_ids,
                                                     remote.remote_handle, remote_ids, notif)
+        if isinstance(local_ids, OuterIds) and isinstance(remote_ids, OuterIds):
+            # transfers whose ids have the same structure merge alike (connector/templates.py)
+            got = self._templates.plan(local_list.affine, local_ids, remote.remote_list.affine,
+                                       remote_ids, mode, self.metadata.base_addrs,
+                                       remote.meta.base_addrs)
+            if got is not None:
+                lrows, rrows = got if self._outer_ids else (got[0].rows, got[1].rows)
+                return self.transport.make_xfer(op, lrows, remote.agent, rrows, notif)
         from .merge import collapsed_pairs, merge_descriptors
 
         # the prepped path's checks (ids inside both lists, equal lengths), then the rows, runs

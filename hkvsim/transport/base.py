@@ -16,6 +16,8 @@ import numpy as np
 
 from .affine import AffineList, PairedRuns
 from .outer import OuterIds, OuterPairs, outer_pairs
+from .coalesce import coalesced_count
+from .planned import PlannedRows, hull_of, runs_hull, vouch
 
 __all__ = ["DONE", "PROC", "ERR", "MEM_TYPES", "TransportError", "Memory", "XferTelemetry",
            "Transport", "AgentAnnouncement", "PeerRegistrations", "check_descriptor_array",
@@ -490,6 +492,14 @@ def registration_problem(descs: "np.ndarray | AffineList", ranges: np.ndarray, *
         return None
     if descs.shape[0] == 0:
         return None
+    if descs.dtype == np.uint64 and ranges.shape[0]:
+        # every row inside one range: the rows' hull is (one device, no address wraps)
+        hull = hull_of(descs) or runs_hull(descs)  # (PlannedRows' runs: the template's)
+        if hull is not None:
+            dev, lo, hi = hull
+            for a, n, d in ranges.tolist():
+                if d == dev and a <= lo and hi <= a + n:
+                    return None
     addr, length, dev = descs[:, 0:1], descs[:, 1:2], descs[:, 2:3]
     end = addr + length
     inside = ((end >= addr) & (addr >= ranges[None, :, 0])
@@ -517,10 +527,42 @@ class PairedDescriptors:
     remote_strided: np.ndarray | None = None
 
 
+#: templates (PlannedRows.token) whose rows pair_descriptors has checked in full, by id (the
+#: entry keeps the token alive, so its id names no other object)
+_CHECKED_TOKENS: dict[int, Any] = {}
+
+
 def pair_descriptors(local_descs: Any, remote_descs: Any, *, what: str) -> PairedDescriptors:
     """The one check of a non-prepped transfer's descriptors (NIXL ``initialize_xfer``), for
     every transport: two (N, 3) arrays, or two (N, 5) strided arrays with the same run lengths
-    and counts; the pairs have equal lengths and none is zero-length."""
+    and counts; the pairs have equal lengths and none is zero-length.
+
+    Two :class:`~hkvsim.transport.planned.PlannedRows` of one template: checked in full (and
+    their given expansion compared with the rows' own) the first time the template is seen;
+    afterwards their expansion is taken as given (every check here is blind to the address
+    shifts by which rows of one template differ; see transport/planned.py)."""
+    if type(local_descs) is PlannedRows and type(remote_descs) is PlannedRows:
+        token = local_descs.token
+        if remote_descs.token is token:
+            strided = local_descs.rows.shape[1] == 5
+            if _CHECKED_TOKENS.get(id(token)) is token:
+                vouch(local_descs, remote_descs)
+                return PairedDescriptors(
+                    local=local_descs.runs, remote=remote_descs.runs,
+                    local_strided=local_descs.rows if strided else None,
+                    remote_strided=remote_descs.rows if strided else None)
+            checked = pair_descriptors(local_descs.rows, remote_descs.rows, what=what)
+            if (np.array_equal(checked.local, local_descs.runs)
+                    and np.array_equal(checked.remote, remote_descs.runs)
+                    and runs_hull(checked.local) == local_descs.hull
+                    and runs_hull(checked.remote) == remote_descs.hull
+                    and local_descs.coalesced in (None, coalesced_count(checked.local,
+                                                                        checked.remote))):
+                if len(_CHECKED_TOKENS) >= 4096:
+                    _CHECKED_TOKENS.clear()
+                _CHECKED_TOKENS[id(token)] = token
+            return checked
+        local_descs, remote_descs = local_descs.rows, remote_descs.rows
     la, ra = np.asarray(local_descs), np.asarray(remote_descs)
     lrows = rrows = None
     if la.ndim == 2 and la.shape[1] == 5:

@@ -23,6 +23,8 @@ from typing import Final
 
 import numpy as np
 
+from .planned import coalesced_of
+
 __all__ = ["COALESCING", "coalesced_count", "coalesces"]
 
 #: NIXL behaviour by (major.minor) version, as measured: whether prepared transfers
@@ -47,6 +49,9 @@ def coalesces(kind: str, nixl_version: str | None = None) -> bool:
 def coalesced_count(local: np.ndarray, remote: np.ndarray) -> int:
     """Descriptors left after merging, in order, every pair that continues the previous pair on
     both sides. ``local`` and ``remote`` are (N, 3) (addr, len, device) rows, paired by row."""
+    got = coalesced_of(local, remote)  # runs of PlannedRows: the template's count
+    if got is not None:
+        return got
     n = int(local.shape[0])
     if n != int(remote.shape[0]):
         raise ValueError(f"local and remote lists differ in length ({n} vs {remote.shape[0]})")
@@ -54,6 +59,8 @@ def coalesced_count(local: np.ndarray, remote: np.ndarray) -> int:
         return n
     la = local.astype(np.uint64, copy=False)
     ra = remote.astype(np.uint64, copy=False)
-    joins = ((la[1:, 0] == la[:-1, 0] + la[:-1, 1]) & (la[1:, 2] == la[:-1, 2])
-             & (ra[1:, 0] == ra[:-1, 0] + ra[:-1, 1]) & (ra[1:, 2] == ra[:-1, 2]))
+    joins = (la[1:, 0] == la[:-1, 0] + la[:-1, 1]) & (ra[1:, 0] == ra[:-1, 0] + ra[:-1, 1])
+    if not joins.any():  # (the devices matter only where both sides continue)
+        return n
+    joins &= (la[1:, 2] == la[:-1, 2]) & (ra[1:, 2] == ra[:-1, 2])
     return n - int(np.count_nonzero(joins))

@@ -24,7 +24,7 @@ import numpy as np
 
 from .affine import AffineList
 
-__all__ = ["OuterIds", "OuterPairs", "outer_pairs"]
+__all__ = ["OuterIds", "OuterPairs", "outer_pairs", "pair_geometry"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -114,17 +114,19 @@ class _Rows:
     segment of each row's first id, the column bounds keeping every row inside that segment,
     and per row the address of column 0, the stride and the length."""
 
-    __slots__ = ("starts", "col_lo", "col_hi", "plain", "at0", "stride", "length")
+    __slots__ = ("starts", "col_lo", "col_hi", "plain", "at0", "stride", "length", "seg")
 
     def __init__(self, dl: AffineList, starts: np.ndarray) -> None:
         self.starts = starts  # kept alive: the cache is keyed by its id
         if not len(dl):  # an empty list: no row is inside it
             self.col_lo, self.col_hi, self.plain = 1, 0, True
             self.stride = self.length = self.at0 = np.zeros(starts.shape, dtype=np.int64)
+            self.seg = np.zeros(starts.shape, dtype=np.int64)
             return
         seg = dl.segments(starts)
         inside = (seg >= 0)
         seg = np.where(inside, seg, 0)
+        self.seg = seg
         lo = dl.first[seg] - starts
         hi = dl.first[seg + 1] - 1 - starts
         # a row starting outside the list never passes: bounds no column can meet
@@ -304,12 +306,11 @@ def _joins(lc: np.ndarray, rc: np.ndarray, classes: list[tuple[int, ...]]) -> in
     return within
 
 
-def outer_pairs(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterIds,
-                cache: dict[Any, Any]) -> OuterPairs | None:
-    """Check a transfer's paired ids given as outer sums over two affine lists, from their
-    structure (see the module docstring). None when the structure does not settle it (the
-    caller then checks the flat ids). ``cache``: a dict the caller keeps (geometry per list
-    and row starts; an entry keeps what its key names alive)."""
+def pair_geometry(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterIds,
+                  cache: dict[Any, Any]) -> "_Pair | None":
+    """What two affine lists say about the rows of two OuterIds (cached in ``cache`` per list
+    and row starts): each row's segment, column bounds, first address, stride and length
+    per side. None when the parts do not pair (their number, or a part's rows, differ)."""
     parts_l, parts_r = lo.parts, ro.parts
     if not parts_l or len(parts_l) != len(parts_r):
         return None
@@ -325,6 +326,19 @@ def outer_pairs(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterId
                                   [_rows(remote, s, cache) for s, _ in parts_r],
                                   (local, remote, [a[0] for a in parts_l],
                                    [b[0] for b in parts_r]))
+    return pair
+
+
+def outer_pairs(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterIds,
+                cache: dict[Any, Any]) -> OuterPairs | None:
+    """Check a transfer's paired ids given as outer sums over two affine lists, from their
+    structure (see the module docstring). None when the structure does not settle it (the
+    caller then checks the flat ids). ``cache``: a dict the caller keeps (geometry per list
+    and row starts; an entry keeps what its key names alive)."""
+    pair = pair_geometry(local, lo, remote, ro, cache)
+    if pair is None:
+        return None
+    parts_l, parts_r = lo.parts, ro.parts
     # the same shape and the same columns: the same answer (a request's transfers to the
     # ranks of an engine). Remembered only for frozen columns (never modified: the
     # connector's paired ids), by identity

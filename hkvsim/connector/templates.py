@@ -1,0 +1,303 @@
+"""Merged plans from templates: ``descriptor_merge`` without merging every request again.
+
+A transfer's ids are outer sums (transport/outer.py): per part, row starts (one per region
+or state sub-region) plus the request's columns (block ids, slots). Descriptor ``(p, r, j)``
+sits at ``at0[r] + col[j] * stride[r]`` on each side, ``length[r]`` bytes long. What merging
+(connector/merge.py) decides -- which neighbours join, which rows form strided runs, their
+strides and counts -- depends on the columns only through their *pattern* (each column minus
+the part's first column), provided that
+
+* every row lies in one registered region per side (its whole segment does), and
+* at every boundary between consecutive rows, the rows lie in different regions on one side
+  (merging never joins them, whatever the columns), or they belong to the same part and have
+  the same stride on each side (their distance then depends on the pattern only).
+
+Under these conditions (checked once per list pair), transfers whose columns have the same
+pattern merge into the same rows, each row's addresses shifted by ``first column x its
+stride`` (per side). A *template* keeps the rows of the first such transfer -- merged by
+connector/merge.py, exactly as without templates -- relative to those shifts, and later
+transfers with the pattern get their rows by adding the shifts back (a few numpy calls,
+whatever the number of descriptors). The ids are checked from the pattern as well: every
+column inside the bounds that keep each row inside its segment (the same range check as the
+prepared path's; any other case falls back to the caller's full check, with its messages).
+Templates are kept per list pair and pattern, for transfers of up to ``MAX_IDS`` ids, made
+the second time a pattern is seen (a transfer whose pattern is new is merged by the caller,
+as without templates), and bounded in size (``_MAX_BYTES`` per rank, their keys included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..transport.affine import AffineList
+from ..transport.base import _expand_strided
+from ..transport.outer import OuterIds, pair_geometry
+from ..transport.planned import PlannedRows
+from .merge import merge_with_heads, region_index
+
+__all__ = ["PlanTemplates", "MAX_IDS"]
+
+MAX_IDS = 16384  # transfers with more ids are merged as they come (templates grow with them)
+_MAX_BYTES = 8 << 20  # what all templates of a rank hold, keys included; cleared beyond
+_MAX_SEEN = 4096  # patterns remembered as seen (by hash: a collision only makes a template early)
+
+# the pattern of the last columns seen (frozen columns: a request's ranks share them)
+_LAST_PATTERN: "tuple[list[np.ndarray], tuple[Any, ...]] | None" = None
+
+
+class _PairInfo:
+    """Per list pair and row starts: whether templates apply, and the per-row facts merging
+    needs (regions, strides, the part of every row)."""
+
+    __slots__ = ("pair", "ok", "regions", "strides", "row_part", "row_offset", "templates")
+
+    def __init__(self, pair: Any, local: AffineList, remote: AffineList,
+                 local_bases: Any, remote_bases: Any) -> None:
+        self.pair = pair  # kept alive: the info is keyed by its id
+        self.templates: dict[Any, _Template] = {}
+        rows = (pair.local, pair.remote)
+        self.row_part = pair.row_part
+        sizes = [a.starts.size for a in pair.local]
+        self.row_offset = np.concatenate(([0], np.cumsum(sizes)))[:-1].tolist()
+        self.strides = (pair.l_stride, pair.r_stride)
+        ok = pair.equal and all(a.plain for side in rows for a in side)
+        regions = []
+        for dl, side, bases in ((local, rows[0], local_bases), (remote, rows[1], remote_bases)):
+            seg = np.concatenate([a.seg for a in side])
+            first = dl.base[seg]
+            last = first + np.maximum(dl.counts[seg] - 1, 0) * dl.stride[seg]
+            reg = region_index(bases, first)
+            ok = ok and bool(np.array_equal(reg, region_index(bases, last)))
+            regions.append(reg)
+        self.regions = (regions[0], regions[1])
+        if ok and self.row_part.size > 1:
+            apart = ((regions[0][1:] != regions[0][:-1]) | (regions[1][1:] != regions[1][:-1]))
+            alike = ((self.row_part[1:] == self.row_part[:-1])
+                     & (pair.l_stride[1:] == pair.l_stride[:-1])
+                     & (pair.r_stride[1:] == pair.r_stride[:-1]))
+            ok = bool((apart | alike).all())
+        self.ok = ok
+
+
+class _Template:
+    """The merged rows of one pattern, relative to the per-row shifts (see the module
+    docstring): ``rows`` (2, M, k) uint64 (both sides; column 0 is rewritten per transfer)
+    and, for strided rows, their runs ``runs`` (2, N, 3); ``rel`` (2, M [+ N]) int64: the
+    addresses of the rows [and runs] minus their shifts, ``coef`` their strides, ``which``
+    the index of their part's first column in the per-transfer list of first columns;
+    ``hulls``: per side, per (which, coef) group, the lowest relative address and highest
+    relative end; ``spans``: per part and side the pattern's lowest and highest column."""
+
+    __slots__ = ("rows", "runs", "m", "rel", "coef", "which", "hulls", "spans", "devices",
+                 "coalescing", "info")
+
+    def __init__(self, info: _PairInfo, rows: np.ndarray, runs: np.ndarray | None,
+                 rel: np.ndarray, coef: np.ndarray, which: np.ndarray,
+                 hulls: list[list[tuple[int, int, int, int]]],
+                 spans: list[tuple[int, int, int, int]], devices: tuple[int, int],
+                 coalescing: tuple[int, list[tuple[tuple[int, ...], ...]]]) -> None:
+        self.info = info
+        self.rows, self.runs, self.m = rows, runs, rows.shape[1]
+        self.rel, self.coef, self.which = rel, coef, which
+        self.hulls, self.spans, self.devices = hulls, spans, devices
+        self.coalescing = coalescing  # (runs - fixed joins, the other boundaries)
+
+
+def _pattern(lo: OuterIds, ro: OuterIds) -> "tuple[Any, ...] | None":
+    """(pattern key, first columns [local parts..., remote parts...]) of two OuterIds with
+    parts of equal column counts, else None."""
+    global _LAST_PATTERN
+    cols = [c for _, c in lo.parts] + [c for _, c in ro.parts]
+    last = _LAST_PATTERN
+    if last is not None and len(last[0]) == len(cols):
+        for a, b in zip(last[0], cols):
+            if a is not b:
+                break
+        else:
+            return last[1]
+    n = len(lo.parts)
+    key: list[Any] = []
+    firsts: list[int] = []
+    for i, c in enumerate(cols):
+        if i < n and c.size != cols[i + n].size:
+            return None
+        if c.size <= 16:  # a few columns: Python ints (fewer numpy calls)
+            v = c.tolist()
+            c0 = v[0]
+            key.append(tuple([x - c0 for x in v]))
+        else:
+            c0 = c.item(0)
+            key.append((c - c0).tobytes())
+        firsts.append(c0)
+    got = (tuple(key), firsts)
+    if lo.frozen and ro.frozen:  # never modified: remembered by identity
+        _LAST_PATTERN = (cols, got)
+    return got
+
+
+class PlanTemplates:
+    """One rank's templates (see the module docstring)."""
+
+    def __init__(self, *, sightings: int = 2) -> None:
+        self.sightings = sightings  # a pattern's template is made when it is seen this often
+        self._geometry: dict[Any, Any] = {}  # transport.outer.pair_geometry's cache
+        self._infos: dict[int, _PairInfo] = {}
+        self._seen: dict[tuple[int, int], int] = {}  # sightings of patterns without a template
+        self._stored = 0  # bytes the templates hold
+
+    def plan(self, local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterIds,
+             mode: str, local_bases: Any, remote_bases: Any
+             ) -> "tuple[PlannedRows, PlannedRows] | None":
+        """The merged rows of a transfer (both sides, as PlannedRows), or None when a
+        template does not apply (the caller checks and merges the ids itself): ids that are
+        not outer sums over these lists, a geometry the conditions exclude, more than
+        ``MAX_IDS`` ids, or an id outside its row's segment (the caller's check reports it)."""
+        if lo.size > MAX_IDS:
+            return None
+        pair = pair_geometry(local, lo, remote, ro, self._geometry)
+        if pair is None:
+            return None
+        info = self._infos.get(id(pair))
+        if info is None or info.pair is not pair:
+            if len(self._infos) >= 4096:
+                self._infos.clear()
+            info = self._infos[id(pair)] = _PairInfo(pair, local, remote, local_bases,
+                                                      remote_bases)
+        if not info.ok:
+            return None
+        pattern = _pattern(lo, ro)
+        if pattern is None:
+            return None
+        key, firsts = pattern
+        tkey = (mode, key)
+        t = info.templates.get(tkey)
+        if t is None:
+            # a template is made the second time a pattern is seen (making one costs more
+            # than merging as the caller does; a pattern seen once may never come back)
+            seen = (id(pair), hash(tkey))
+            if self._seen.get(seen, 0) + 1 < self.sightings:
+                if len(self._seen) >= _MAX_SEEN:
+                    self._seen.clear()
+                self._seen[seen] = self._seen.get(seen, 0) + 1
+                return None
+            if not _inside(pair, lo, ro):
+                return None
+            t = _build(info, lo, ro, mode, firsts, local.device, remote.device)
+            size = (t.rows.nbytes + (0 if t.runs is None else t.runs.nbytes) + 3 * t.rel.nbytes
+                    + sum(len(k) if isinstance(k, bytes) else 8 * len(k) for k in key))
+            if self._stored + size > _MAX_BYTES:  # bounded memory: start again
+                for other in self._infos.values():
+                    other.templates.clear()
+                self._stored = 0
+            info.templates[tkey] = t
+            self._stored += size
+        else:
+            n = len(pair.local)
+            for p, (a, b) in enumerate(zip(pair.local, pair.remote)):
+                lmin, lmax, rmin, rmax = t.spans[p]
+                l0, r0 = firsts[p], firsts[n + p]
+                if not (a.col_lo <= l0 + lmin and l0 + lmax <= a.col_hi
+                        and b.col_lo <= r0 + rmin and r0 + rmax <= b.col_hi):
+                    return None
+        addrs = t.rel + np.array(firsts, dtype=np.int64)[t.which] * t.coef
+        hulls = [(dev, min([lo + firsts[w] * c for w, c, lo, _ in groups]),
+                  max([hi + firsts[w] * c for w, c, _, hi in groups]))
+                 for dev, groups in zip(t.devices, t.hulls)]
+        coalesced, varying = t.coalescing
+        for side_l, side_r in varying:  # boundaries whose join depends on the shifts
+            w0, c0, e0, w1, c1, a1 = side_l
+            if a1 + firsts[w1] * c1 == e0 + firsts[w0] * c0:
+                w0, c0, e0, w1, c1, a1 = side_r
+                coalesced -= a1 + firsts[w1] * c1 == e0 + firsts[w0] * c0
+        rows = t.rows.copy()
+        m = t.m
+        rows[:, :, 0] = addrs[:, :m]
+        if t.runs is None:
+            return (PlannedRows(rows[0], rows[0], t, hulls[0], coalesced),
+                    PlannedRows(rows[1], rows[1], t, hulls[1]))
+        runs = t.runs.copy()
+        runs[:, :, 0] = addrs[:, m:]
+        return (PlannedRows(rows[0], runs[0], t, hulls[0], coalesced),
+                PlannedRows(rows[1], runs[1], t, hulls[1]))
+
+
+def _inside(pair: Any, lo: OuterIds, ro: OuterIds) -> bool:
+    """Every column inside the bounds that keep its rows inside their segments."""
+    for (_, lc), (_, rc), a, b in zip(lo.parts, ro.parts, pair.local, pair.remote):
+        if not (a.col_lo <= int(lc.min()) and int(lc.max()) <= a.col_hi
+                and b.col_lo <= int(rc.min()) and int(rc.max()) <= b.col_hi):
+            return False
+    return True
+
+
+def _build(info: _PairInfo, lo: OuterIds, ro: OuterIds, mode: str, firsts: list[int],
+           local_device: int, remote_device: int) -> _Template:
+    """Merge this transfer's descriptors (connector/merge.py, every descriptor's row given)
+    and keep the result relative to its per-row shifts."""
+    pair = info.pair
+    n = len(pair.local)
+    sides = []
+    row_of = []
+    for side, (rows, ids, device) in enumerate(((pair.local, lo, local_device),
+                                                (pair.remote, ro, remote_device))):
+        addrs, lens = [], []
+        for p, (r, (_, cols)) in enumerate(zip(rows, ids.parts)):
+            addrs.append((r.at0[:, None] + cols[None, :] * r.stride[:, None]).reshape(-1))
+            lens.append(np.repeat(r.length, cols.size))
+            if side == 0:
+                row_of.append(np.repeat(np.arange(r.starts.size) + info.row_offset[p],
+                                        cols.size))
+        descs = np.empty((sum(a.size for a in addrs), 3), dtype=np.uint64)
+        descs[:, 0] = np.concatenate(addrs)
+        descs[:, 1] = np.concatenate(lens)
+        descs[:, 2] = device
+        sides.append(descs)
+    row = np.concatenate(row_of)
+    regions = (info.regions[0][row], info.regions[1][row])
+    plan, heads = merge_with_heads(sides[0], sides[1], mode, regions)
+    head_row = row[heads]
+    rows = np.stack((plan.local, plan.remote))
+    runs = None
+    if plan.strided:  # the runs of every row, each with its row's shift
+        runs = np.stack(_expand_strided((plan.local, plan.remote)))
+        head_row = np.concatenate((head_row, np.repeat(head_row,
+                                                       plan.local[:, 4].astype(np.int64))))
+        addrs = np.concatenate((rows[:, :, 0], runs[:, :, 0]), axis=1).astype(np.int64)
+        ends = runs[:, :, 0] + runs[:, :, 1]
+        m_ends = rows.shape[1]  # hulls over the runs only
+    else:
+        addrs = rows[:, :, 0].astype(np.int64)
+        ends = rows[:, :, 0] + rows[:, :, 1]
+        m_ends = 0
+    part = info.row_part[head_row]
+    which = np.stack((part, part + n))
+    coef = np.stack((info.strides[0][head_row], info.strides[1][head_row]))
+    rel = addrs - np.asarray(firsts, dtype=np.int64)[which] * coef
+    hulls = []
+    for side in (0, 1):
+        w, c, r = which[side, m_ends:], coef[side, m_ends:], rel[side, m_ends:]
+        e = ends[side].astype(np.int64) - (addrs[side, m_ends:] - r)
+        groups = []
+        for key in sorted(set(zip(w.tolist(), c.tolist()))):
+            sel = (w == key[0]) & (c == key[1])
+            groups.append((key[0], key[1], int(r[sel].min()), int(e[sel].max())))
+        hulls.append(groups)
+    # NIXL's coalescing of the runs: a join between two runs shifted alike on both sides is
+    # the same for every transfer of the template; the others are settled per transfer
+    flat = rows if runs is None else runs
+    w, c, r = which[:, m_ends:], coef[:, m_ends:], rel[:, m_ends:]
+    lens = flat[0, :, 1].astype(np.int64)
+    joins = (flat[:, 1:, 0] == flat[:, :-1, 0] + flat[:, :-1, 1]).all(axis=0)
+    alike = ((w[:, 1:] == w[:, :-1]) & (c[:, 1:] == c[:, :-1])).all(axis=0)
+    fixed = int(flat.shape[1]) - int(np.count_nonzero(joins & alike))
+    varying = [tuple((int(w[s_, b]), int(c[s_, b]), int(r[s_, b] + lens[b]), int(w[s_, b + 1]),
+                      int(c[s_, b + 1]), int(r[s_, b + 1])) for s_ in (0, 1))
+               for b in np.flatnonzero(~alike).tolist()]
+    spans = []
+    for (_, lc), (_, rc), l0, r0 in zip(lo.parts, ro.parts, firsts[:n], firsts[n:]):
+        spans.append((int(lc.min()) - l0, int(lc.max()) - l0, int(rc.min()) - r0,
+                      int(rc.max()) - r0))
+    return _Template(info, rows, runs, rel, coef, which, hulls, spans,
+                     (local_device, remote_device), (fixed, varying))
