@@ -103,3 +103,32 @@ def test_chain_matches_the_process_model_tie_for_tie(seed: int) -> None:
     got = _trace(Fabric, seed)
     assert len(want) > 150
     assert got == want
+
+
+def _events_processed(env: simpy.Environment) -> list[int]:
+    count = [0]
+    step = env.step
+
+    def counting_step() -> None:
+        step()  # raises EmptySchedule at the end: not an event
+        count[0] += 1
+
+    env.step = counting_step  # type: ignore[method-assign]
+    return count
+
+
+def test_a_plain_transfer_costs_two_events_and_simultaneous_starts_share_one_timer() -> None:
+    """8 transfers posted together on 8 disjoint paths: 8 post ends (their flows start at one
+    instant: the completion timer is armed once, after the last), one timer (they finish
+    together) and 8 completions -- 17 events."""
+    env = simpy.Environment()
+    fabric = Fabric(env, make_profile(), grid())
+    count = _events_processed(env)
+    done = [fabric.transfer(initiator=(1, g), src=(0, g), dst=(1, g), nbytes=8_000_000,
+                            descriptors=10) for g in range(4)]
+    done += [fabric.transfer(initiator=(0, g), src=(1, g), dst=(0, g), nbytes=8_000_000,
+                             descriptors=10) for g in range(4)]
+    env.run()
+    assert all(ev.processed and ev.ok for ev in done)
+    assert len({ev.value.done for ev in done}) == 1
+    assert count[0] == 2 * 8 + 1

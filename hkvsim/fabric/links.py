@@ -491,9 +491,25 @@ class Fabric:
         else:
             del self._post_queue[poster]
         if flight.nbytes > 0:
-            self._start_flow(flight.links, flight.nbytes, flight)
+            self._start_flow(flight.links, flight.nbytes, flight,
+                             arm=not self._flow_starts_next())
         else:
             flight.arrived(self.env.now)
+
+    def _flow_starts_next(self) -> bool:
+        """Whether the next event simpy processes is another post's end, at this instant,
+        whose flow starts then: nothing runs in between, so the completion timer need only be
+        armed after that one (a request's transfers end their posts together).
+        Reads simpy's event queue (``Environment._queue``); False where it has none."""
+        queue = getattr(self.env, "_queue", None)
+        if not queue:
+            return False
+        at, _, _, event = queue[0]
+        if at != self.env.now:
+            return False
+        callbacks = event.callbacks
+        return (callbacks is not None and len(callbacks) == 1 and callbacks[0] == self._posted
+                and event._value[1].nbytes > 0)
 
     # Flows on the same path (the same links) always get the same max-min fair rate, so the
     # fabric keeps one PathGroup per path: its per-flow rate, a served-bytes clock (bytes each of
@@ -501,7 +517,12 @@ class Fabric:
     # values on that clock. A flow start or end costs O(log n) in the heap plus O(G * L) for the
     # G active paths over L links (bounded by the deployment, not by the flows in flight).
 
-    def _start_flow(self, links: tuple[_Link, ...], nbytes: int, flight: "_Flight") -> None:
+    def _start_flow(self, links: tuple[_Link, ...], nbytes: int, flight: "_Flight",
+                    arm: bool = True) -> None:
+        """A flow of ``nbytes`` starts now on ``links``: reallocate the rates and log them;
+        ``arm``: re-arm the completion timer too (False: another flow starts at this instant
+        before anything else runs, and re-arms it for both; the timer it would replace would
+        have fired as a no-op)."""
         self._advance()
         group = self._groups.get(links)
         if group is None:
@@ -513,7 +534,7 @@ class Fabric:
         group.push(self._fid, nbytes, flight)
         self._fid += 1
         self._nflows += 1
-        self._reallocate()
+        self._reallocate(arm=arm)
 
     def _advance(self) -> None:
         """Move every active path's served-bytes clock forward to ``env.now``."""
@@ -524,7 +545,7 @@ class Fabric:
                 group.served += group.rate * dt
         self._last_update = now
 
-    def _reallocate(self) -> None:
+    def _reallocate(self, arm: bool = True) -> None:
         """Max-min fair rates per path (progressive filling), then log rates and re-arm.
 
         The rates are a function of the active groups (in order) and their flow counts only,
@@ -543,7 +564,8 @@ class Fabric:
             for g, rate in zip(active, got[0]):
                 g.rate = rate
         self._log_rates(got[1])
-        self._arm_timer()
+        if arm:
+            self._arm_timer()
 
     def _link_loads(self) -> tuple[Any, ...]:
         """(flows on it, aggregate rate) of every link in creation order, flattened, from the
