@@ -148,13 +148,14 @@ class _Flight:
     """One plain-path transfer between its post and its arrival: when each phase happened,
     and the event that is scheduled (with its :class:`TransferTiming`) once it has arrived."""
 
-    __slots__ = ("env", "links", "latency", "nbytes", "descriptors", "submitted", "post_start",
-                 "post_end", "done")
+    __slots__ = ("env", "links", "path", "latency", "nbytes", "descriptors", "submitted",
+                 "post_start", "post_end", "done")
 
-    def __init__(self, env: simpy.Environment, links: tuple[_Link, ...], latency: float,
-                 nbytes: int, descriptors: int, submitted: float) -> None:
+    def __init__(self, env: simpy.Environment, links: tuple[_Link, ...], path: tuple[str, ...],
+                 latency: float, nbytes: int, descriptors: int, submitted: float) -> None:
         self.env = env
         self.links = links
+        self.path = path  # the links' names
         self.latency = latency
         self.nbytes = nbytes
         self.descriptors = descriptors
@@ -171,7 +172,7 @@ class _Flight:
             submitted=self.submitted, post_start=self.post_start, post_end=self.post_end,
             wire_start=self.post_end, wire_end=wire_end, done=wire_end + self.latency,
             nbytes=self.nbytes, descriptors=self.descriptors,
-            path=tuple(link.name for link in self.links))
+            path=self.path)
         self.env.schedule(done, NORMAL, self.latency)
 
 
@@ -218,6 +219,7 @@ class Fabric:
         self._posting: dict[Endpoint, simpy.Resource] = {}  # host path: each rank's thread
         # plain path: each busy poster's transfers waiting to post (a poster with none: free)
         self._post_queue: dict[Endpoint, deque[_Flight]] = {}
+        self._path_names: dict[tuple[_Link, ...], tuple[str, ...]] = {}
         self._cores: dict[int, simpy.Resource] = {}  # host path: each node's CPU cores
         self._coordinator: simpy.Resource | None = None  # the coordinator's thread
         self._fid = 0
@@ -460,7 +462,10 @@ class Fabric:
         called while another one's post has not ended waits in its endpoint's queue and
         starts its post when that one's end is processed."""
         now = self.env.now
-        flight = _Flight(self.env, links, latency, nbytes, descriptors, now)
+        path = self._path_names.get(links)
+        if path is None:
+            path = self._path_names[links] = tuple(link.name for link in links)
+        flight = _Flight(self.env, links, path, latency, nbytes, descriptors, now)
         queue = self._post_queue.get(poster)
         if queue is None:  # the poster is free: the post starts now
             self._post_queue[poster] = deque()
