@@ -2,9 +2,8 @@
 
 Model of one ``Fabric.transfer``:
 
-1. **Post.** Posting is serialised per initiator endpoint (a ``simpy.Resource`` of capacity 1
-   per endpoint, i.e. one CPU thread posting for that rank); it takes
-   ``transfer_launch + descriptors * per_descriptor``.
+1. **Post.** Posting is serialised per initiator endpoint (one CPU thread posting for that
+   rank: first come, first served); it takes ``transfer_launch + descriptors * per_descriptor``.
 2. **Wire.** The bytes then move as ONE flow over the path:
 
    * same endpoint      -> ``[<ep>.hbm]``                (``local_bandwidth``)
@@ -32,11 +31,14 @@ Model of one ``Fabric.transfer``:
    completion overhead`` (0 unless the profile models it). Paths, including the shared per-node
    ``cpu`` link of host-path profiles, come from :func:`hkvsim.fabric.topology.route`.
 
-Event budget: O(1) simpy events per flow, whatever its descriptor count or size. The fabric
-keeps a single completion timer for all flows; every start or end of a flow replaces it (the old
-timer is disarmed by a generation counter and fires as a no-op). So each flow costs a constant
-number of events: its process, its posting request/release, one post timeout, at most two
-completion timers, a wire-done event and a latency timeout.
+Event budget: O(1) simpy events per flow, whatever its descriptor count or size. A plain-path
+transfer is a chain of callbacks, not a simpy process: one event when its post ends (the next
+transfer queued on its poster starts its post then, and its flow starts) and one when it is
+done (its returned event, scheduled at wire end + latency), with the order of every tie at equal
+times that a process queuing on a ``simpy.Resource`` would give (``tests/test_fabric_chain.py``
+checks it against that process). The fabric keeps a single completion timer for all flows;
+every start or end of a flow replaces it (the old timer is disarmed by a generation counter and
+fires as a no-op). The host path (CPU work on cores) keeps one simpy process per transfer.
 
 Determinism: no randomness; simultaneous events run in simpy's insertion order and all
 iteration is over insertion-ordered dicts.
@@ -46,11 +48,13 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import deque
 from collections.abc import Callable, Generator, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 import simpy
+from simpy.core import NORMAL
 
 from hkvsim.fabric.fairshare import PathGroup, max_min_rates
 from hkvsim.fabric.profile import FabricProfile
@@ -141,6 +145,38 @@ class _Link:
         self.seg_rate = 0.0
         self.seg_flows = 0
 
+class _Flight:
+    """One plain-path transfer between its post and its arrival: when each phase happened,
+    and the event that is scheduled (with its :class:`TransferTiming`) once it has arrived."""
+
+    __slots__ = ("env", "links", "path", "latency", "nbytes", "descriptors", "submitted",
+                 "post_start", "post_end", "done")
+
+    def __init__(self, env: simpy.Environment, links: tuple[_Link, ...], path: tuple[str, ...],
+                 latency: float, nbytes: int, descriptors: int, submitted: float) -> None:
+        self.env = env
+        self.links = links
+        self.path = path  # the links' names
+        self.latency = latency
+        self.nbytes = nbytes
+        self.descriptors = descriptors
+        self.submitted = submitted
+        self.post_start = self.post_end = submitted  # set when its post starts
+        self.done = simpy.Event(env)
+
+    def arrived(self, wire_end: float) -> None:
+        """The last byte left the wire at ``wire_end`` (now): the transfer is done after the
+        path latency."""
+        done = self.done
+        done._ok = True
+        done._value = TransferTiming(
+            submitted=self.submitted, post_start=self.post_start, post_end=self.post_end,
+            wire_start=self.post_end, wire_end=wire_end, done=wire_end + self.latency,
+            nbytes=self.nbytes, descriptors=self.descriptors,
+            path=self.path)
+        self.env.schedule(done, NORMAL, self.latency)
+
+
 def _count(name: str, value: Any) -> int:
     try:
         n = operator.index(value)
@@ -181,9 +217,12 @@ class Fabric:
         self._active: dict[PathGroup, None] = {}  # groups with flows, in first-use order
         self._routes: dict[tuple[Hashable, Hashable], tuple[tuple[_Link, ...], float]] = {}
         self._latencies: dict[tuple[Hashable, Hashable], float] = {}
-        self._posting: dict[Endpoint, simpy.Resource] = {}
+        self._posting: dict[Endpoint, simpy.Resource] = {}  # host path: each rank's thread
         # host path: when each rank last started an operation's posts
         self._op_posted_at: dict[Endpoint, float] = {}
+        # plain path: each busy poster's transfers waiting to post (a poster with none: free)
+        self._post_queue: dict[Endpoint, deque[_Flight]] = {}
+        self._path_names: dict[tuple[_Link, ...], tuple[str, ...]] = {}
         self._cores: dict[int, simpy.Resource] = {}  # host path: each node's CPU cores
         self._coordinator: simpy.Resource | None = None  # the coordinator's thread
         self._fid = 0
@@ -285,7 +324,7 @@ class Fabric:
                 dispatch += self.profile.op_dispatch_time(unprepped=unprepped)
             return self.env.process(self._host_transfer(
                 poster, links, latency, n, d, peer_progress, dispatch))
-        return self.env.process(self._transfer(poster, links, latency, n, d))
+        return self._plain_transfer(poster, links, latency, n, d)
 
     def notify(self, src: Hashable, dst: Hashable) -> simpy.Event:
         """An event that succeeds when a notification sent now from ``src`` reaches ``dst``
@@ -413,39 +452,77 @@ class Fabric:
                               nbytes=nbytes, descriptors=descriptors,
                               path=tuple(link.name for link in links))
 
-    def _transfer(
+    def _plain_transfer(
         self,
         poster: Endpoint,
         links: tuple[_Link, ...],
         latency: float,
         nbytes: int,
         descriptors: int,
-    ) -> Generator[simpy.Event, Any, TransferTiming]:
+    ) -> simpy.Event:
+        """A transfer on the plain (link) path as a chain of callbacks, no simpy process: one
+        event when its post ends (its flow starts then) and its returned event, scheduled when
+        its bytes have arrived (its value the :class:`TransferTiming`) -- the times and the
+        order a process that queued for the poster, posted, moved its flow and waited the
+        latency would see.
+
+        Each endpoint posts one transfer at a time, first come first served: a transfer
+        called while another one's post has not ended waits in its endpoint's queue and
+        starts its post when that one's end is processed."""
+        now = self.env.now
+        path = self._path_names.get(links)
+        if path is None:
+            path = self._path_names[links] = tuple(link.name for link in links)
+        flight = _Flight(self.env, links, path, latency, nbytes, descriptors, now)
+        queue = self._post_queue.get(poster)
+        if queue is None:  # the poster is free: the post starts now
+            self._post_queue[poster] = deque()
+            self._post(poster, flight)
+        else:
+            queue.append(flight)
+        return flight.done
+
+    def _post(self, poster: Endpoint, flight: "_Flight") -> None:
+        """Start ``flight``'s post now on its (free) poster: its end is one event."""
         env = self.env
-        submitted = env.now
-        with self._poster(poster).request() as req:
-            yield req
-            post_start = env.now
-            yield env.timeout(self.profile.post_time(descriptors))
-            post_end = env.now
-        wire_start = env.now
-        if nbytes > 0:
-            wire_done = env.event()
-            self._start_flow(links, nbytes, wire_done)
-            yield wire_done
-        wire_end = env.now
-        yield env.timeout(latency)
-        return TransferTiming(
-            submitted=submitted,
-            post_start=post_start,
-            post_end=post_end,
-            wire_start=wire_start,
-            wire_end=wire_end,
-            done=env.now,
-            nbytes=nbytes,
-            descriptors=descriptors,
-            path=tuple(link.name for link in links),
-        )
+        post_time = self.profile.post_time(flight.descriptors)
+        flight.post_start = env.now
+        flight.post_end = env.now + post_time  # the time the event is scheduled at
+        step = simpy.Event(env)  # triggered, its value (poster, flight)
+        step._ok = True
+        step._value = (poster, flight)
+        step.callbacks.append(self._posted)
+        env.schedule(step, NORMAL, post_time)
+
+    def _posted(self, step: simpy.Event) -> None:
+        """A post ended: the poster takes its next transfer (before anything else, as a
+        released resource grants its next request), then the bytes go on the wire."""
+        poster, flight = step._value
+        queue = self._post_queue[poster]
+        if queue:
+            self._post(poster, queue.popleft())
+        else:
+            del self._post_queue[poster]
+        if flight.nbytes > 0:
+            self._start_flow(flight.links, flight.nbytes, flight,
+                             arm=not self._flow_starts_next())
+        else:
+            flight.arrived(self.env.now)
+
+    def _flow_starts_next(self) -> bool:
+        """Whether the next event simpy processes is another post's end, at this instant,
+        whose flow starts then: nothing runs in between, so the completion timer need only be
+        armed after that one (a request's transfers end their posts together).
+        Reads simpy's event queue (``Environment._queue``); False where it has none."""
+        queue = getattr(self.env, "_queue", None)
+        if not queue:
+            return False
+        at, _, _, event = queue[0]
+        if at != self.env.now:
+            return False
+        callbacks = event.callbacks
+        return (callbacks is not None and len(callbacks) == 1 and callbacks[0] == self._posted
+                and event._value[1].nbytes > 0)
 
     # Flows on the same path (the same links) always get the same max-min fair rate, so the
     # fabric keeps one PathGroup per path: its per-flow rate, a served-bytes clock (bytes each of
@@ -453,7 +530,12 @@ class Fabric:
     # values on that clock. A flow start or end costs O(log n) in the heap plus O(G * L) for the
     # G active paths over L links (bounded by the deployment, not by the flows in flight).
 
-    def _start_flow(self, links: tuple[_Link, ...], nbytes: int, wire_done: simpy.Event) -> None:
+    def _start_flow(self, links: tuple[_Link, ...], nbytes: int, flight: "_Flight",
+                    arm: bool = True) -> None:
+        """A flow of ``nbytes`` starts now on ``links``: reallocate the rates and log them;
+        ``arm``: re-arm the completion timer too (False: another flow starts at this instant
+        before anything else runs, and re-arms it for both; the timer it would replace would
+        have fired as a no-op)."""
         self._advance()
         group = self._groups.get(links)
         if group is None:
@@ -462,10 +544,10 @@ class Fabric:
                 link.groups.append(group)
         if group not in self._active:
             self._active[group] = None
-        group.push(self._fid, nbytes, wire_done)
+        group.push(self._fid, nbytes, flight)
         self._fid += 1
         self._nflows += 1
-        self._reallocate()
+        self._reallocate(arm=arm)
 
     def _advance(self) -> None:
         """Move every active path's served-bytes clock forward to ``env.now``."""
@@ -476,7 +558,7 @@ class Fabric:
                 group.served += group.rate * dt
         self._last_update = now
 
-    def _reallocate(self) -> None:
+    def _reallocate(self, arm: bool = True) -> None:
         """Max-min fair rates per path (progressive filling), then log rates and re-arm.
 
         The rates are a function of the active groups (in order) and their flow counts only,
@@ -495,7 +577,8 @@ class Fabric:
             for g, rate in zip(active, got[0]):
                 g.rate = rate
         self._log_rates(got[1])
-        self._arm_timer()
+        if arm:
+            self._arm_timer()
 
     def _link_loads(self) -> tuple[Any, ...]:
         """(flows on it, aggregate rate) of every link in creation order, flattened, from the
@@ -569,7 +652,7 @@ class Fabric:
         if gen != self._timer_gen:
             return  # disarmed: a flow started or ended since this timer was set
         self._advance()
-        done: list[tuple[int, simpy.Event]] = []
+        done: list[tuple[int, _Flight]] = []
         for group in list(self._active):
             group.pop_done(_DONE_REL, done)
             if not group.n:
@@ -577,6 +660,7 @@ class Fabric:
                 group.reset()
         self._nflows -= len(done)
         self._reallocate()
-        done.sort(key=operator.itemgetter(0))  # wake flows in start order
-        for _, event in done:
-            event.succeed()
+        done.sort(key=operator.itemgetter(0))  # flows in start order
+        now = self.env.now
+        for _, flight in done:
+            flight.arrived(now)
