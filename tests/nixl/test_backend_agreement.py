@@ -58,6 +58,19 @@ def _with_quirk(scenario, quirk: str):
     return scenario.model_copy(update={"connector": connector})
 
 
+def _won_the_race(scenario, sim: dict, real: dict) -> bool:
+    """expire-lease-early in push mode races prefill's lease expiry against its own WRITE: on
+    UCX cma the WRITE copies inside its post, so on a slow machine it can finish before the
+    early expiry lands. Then the lease expired with nothing in flight: every request verified
+    intact, no failure. That is a correct outcome, not a disagreement; anything else is."""
+    return (scenario.connector.mode == "push"
+            and any(f.kind == "expire-lease-early" for f in scenario.faults)
+            and sim.get("outcome") == "request-failure"
+            and real == {**sim, "outcome": "lease-expired",
+                         "statuses": ["ok"] * len(sim["statuses"]),
+                         "failure_classes": [None] * len(sim["failure_classes"])})
+
+
 def _compare(scenarios, tmp_path: Path) -> None:
     for i, scenario in enumerate(scenarios):
         try:
@@ -72,6 +85,8 @@ def _compare(scenarios, tmp_path: Path) -> None:
         except NixlRunError as exc:
             pytest.fail(f"{scenario.where}: the nixl backend could not run it: {exc}")
         want, got = sim, real
+        if _won_the_race(scenario, sim, real):
+            continue
         assert got == want, (f"{scenario.where}: the backends disagree\n  sim:  {want}\n"
                              f"  nixl: {got}")
 
@@ -90,3 +105,22 @@ def test_quirks_agree(nixl_required, tmp_path, quirk: str) -> None:
 @pytest.mark.parametrize("name", FAULTS)
 def test_fault_files_agree(nixl_required, tmp_path, name: str) -> None:
     _compare(load_scenarios(ROOT / "scenarios" / "faults" / f"{name}.toml"), tmp_path)
+
+
+def test_only_the_push_lease_race_is_forgiven() -> None:
+    """The allowance above is exactly the race's signature, in push mode only."""
+    scenarios = load_scenarios(ROOT / "scenarios" / "faults" / "expire-lease-early.toml")
+    push = next(s for s in scenarios if s.connector.mode == "push")
+    pull = next(s for s in scenarios if s.connector.mode == "pull")
+    sim = {"outcome": "request-failure", "statuses": ["ok", "failed", "ok"],
+           "failure_classes": [None, "freed_while_reading", None],
+           "recovered_from": [None] * 3, "corrupted": 0, "handshake_errors": False}
+    won = {**sim, "outcome": "lease-expired", "statuses": ["ok"] * 3,
+           "failure_classes": [None] * 3}
+    assert _won_the_race(push, sim, won)
+    assert not _won_the_race(pull, sim, won)
+    assert not _won_the_race(push, sim, {**won, "corrupted": 1})  # a corrupted "success"
+    assert not _won_the_race(push, sim, {**won, "outcome": "ok"})
+    assert not _won_the_race(push, sim, {**won, "statuses": ["ok", "failed", "ok"]})
+    other = load_scenarios(ROOT / "scenarios" / "faults" / "fail-transfer.toml")
+    assert not any(_won_the_race(s, sim, won) for s in other)
