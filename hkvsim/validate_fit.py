@@ -217,72 +217,68 @@ def rank_poll_periods_us() -> tuple[float, float]:
     return round(rank._IDLE_POLL_S * 1e6, 3), round(rank._BUSY_POLL_S * 1e6, 3)
 
 
+def _op_totals(rank_cpu: Any, names: tuple[str, ...]) -> tuple[int, float, int]:
+    """(operations, CPU seconds, oracle bytes) of the operation kinds ``names`` in one
+    ``rank_cpu`` record (pd/cpu.py)."""
+    by_op = (rank_cpu or {}).get("by_op", {})
+    rows = [by_op.get(k, [0, 0.0, 0]) for k in names]
+    return sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows)
+
+
+def _per_item_and_unit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(seconds per unit, seconds per item) from one point per file (items, units, CPU
+    seconds): least squares of ``cpu = items * per_item + units * per_unit``. With one
+    units-per-item ratio only (within 10 %), or a fit that would make per_item negative or
+    per_unit not positive, everything is per unit: (CPU / units, 0)."""
+    a = np.array(points, dtype=float)
+    per_unit_only = (float(a[:, 2].sum() / a[:, 1].sum()), 0.0)
+    ratio = a[:, 1] / np.maximum(a[:, 0], 1.0)
+    if ratio.max() < 1.1 * ratio.min():
+        return per_unit_only
+    (per_item, per_unit), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
+    if per_item < 0 or per_unit <= 0:
+        return per_unit_only
+    return float(per_unit), float(per_item)
+
+
 def oracle_cost(results: Sequence[FileResult]) -> tuple[float | None, float]:
     """(GB/s per core, us per operation) of the oracle's fills and checks in ``results``' real
     ranks: each file with oracle work is one point (operations, bytes, CPU seconds), and
     ``cpu = ops * op_us + bytes / rate`` is fitted by least squares over the files. Measured on
     CPU loopback, a fill or check cost ~1.2 ms whatever its size plus ~10 GB/s: bytes alone
     made a 1 MB check of a hybrid model cost half of what it did and a 6 MB one twice. With
-    fewer than two distinct sizes per operation, or a fit that would make either term
-    negative, the cost is bytes alone (op_us = 0, rate = bytes / CPU). (None, 0.0) when no
-    run ran the oracle."""
+    one size per operation only, or a fit that would make either term negative, the cost is
+    bytes alone (op_us = 0, rate = bytes / CPU). (None, 0.0) when no run ran the oracle."""
     points = []
     for r in results:
-        ops = (r.rank_cpu or {}).get("by_op", {})
-        n = sum(ops.get(k, [0, 0.0, 0])[0] for k in ("OracleWrite", "Verify"))
-        cpu = sum(ops.get(k, [0, 0.0, 0])[1] for k in ("OracleWrite", "Verify"))
-        nbytes = sum(ops.get(k, [0, 0.0, 0])[2] for k in ("OracleWrite", "Verify"))
+        n, cpu, nbytes = _op_totals(r.rank_cpu, ("OracleWrite", "Verify"))
         if n and nbytes and cpu > 0:
             points.append((n, nbytes, cpu))
     if not points:
         return None, 0.0
-    a = np.array(points, dtype=float)
-    bytes_only = (round(float(a[:, 1].sum() / a[:, 2].sum()) / 1e9, 4), 0.0)
-    per_op_bytes = a[:, 1] / a[:, 0]
-    if per_op_bytes.max() < 1.1 * per_op_bytes.min():
-        return bytes_only
-    (per_op, per_byte), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
-    if per_op <= 0 or per_byte <= 0:
-        return bytes_only
-    return round(1.0 / float(per_byte) / 1e9, 4), round(float(per_op) * 1e6, 1)
-
-
-def _dispatch_points(results: Sequence[FileResult]) -> list[tuple[int, int, float]]:
-    """(StartRead / StartWrite operations, posts, their CPU less the CPU inside the posts) of
-    each result that posted."""
-    points = []
-    for r in results:
-        if not r.rank_cpu or not r.rank_cpu.get("posts"):
-            continue
-        ops = r.rank_cpu["by_op"]
-        n = sum(ops.get(k, [0, 0.0, 0])[0] for k in ("StartRead", "StartWrite"))
-        cpu = sum(ops.get(k, [0, 0.0, 0])[1] for k in ("StartRead", "StartWrite"))
-        points.append((n, int(r.rank_cpu["posts"]),
-                       max(cpu - float(r.rank_cpu["post_cpu_seconds"]), 0.0)))
-    return points
+    per_byte, per_op = _per_item_and_unit(points)
+    return round(1.0 / per_byte / 1e9, 4), round(per_op * 1e6, 1)
 
 
 def dispatch_split(results: Sequence[FileResult]) -> tuple[float | None, float]:
     """(us per post, us per operation) of the ranks' CPU on StartRead / StartWrite besides
-    their post calls, over ``results``: each file is one point (operations, posts, CPU), fitted
-    by least squares as ``ops * per_op + posts * per_post``. An operation that posts to k
-    remote ranks plans them all before its first post: measured on CPU loopback, transfers
-    from raw descriptors cost ~0.4 ms per operation plus ~0.4 ms per post, prepared ones ~0.25
-    ms per post and nothing per operation. With one posts-per-operation ratio only, or a fit
-    that would make a term negative, everything is per post (per_op = 0). (None, 0.0) when
-    nothing was posted."""
-    points = _dispatch_points(results)
+    their post calls, over ``results``: each file that posted is one point (operations, posts,
+    CPU), fitted by least squares as ``ops * per_op + posts * per_post``. An operation that
+    posts to k remote ranks plans them all before its first post: measured on CPU loopback,
+    transfers from raw descriptors cost ~0.4 ms per operation plus ~0.4 ms per post, prepared
+    ones ~0.25 ms per post and nothing per operation. With one posts-per-operation ratio only,
+    or a fit that would make a term negative, everything is per post (per_op = 0). (None, 0.0)
+    when nothing was posted."""
+    points = []
+    for r in results:
+        if r.rank_cpu and r.rank_cpu.get("posts"):
+            n, cpu, _ = _op_totals(r.rank_cpu, ("StartRead", "StartWrite"))
+            points.append((n, int(r.rank_cpu["posts"]),
+                           max(cpu - float(r.rank_cpu["post_cpu_seconds"]), 0.0)))
     if not points:
         return None, 0.0
-    a = np.array(points, dtype=float)
-    per_post_only = (round(float(a[:, 2].sum() / a[:, 1].sum()) * 1e6, 1), 0.0)
-    ratio = a[:, 1] / np.maximum(a[:, 0], 1.0)
-    if ratio.max() < 1.1 * ratio.min():
-        return per_post_only
-    (per_op, per_post), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
-    if per_op < 0 or per_post <= 0:
-        return per_post_only
-    return round(float(per_post) * 1e6, 1), round(float(per_op) * 1e6, 1)
+    per_post, per_op = _per_item_and_unit(points)
+    return round(per_post * 1e6, 1), round(per_op * 1e6, 1)
 
 
 def measured_cpu(results: Sequence[FileResult],
@@ -299,14 +295,8 @@ def measured_cpu(results: Sequence[FileResult],
     from .pd.cpu import merge_rank_cpu
 
     total = merge_rank_cpu([r.rank_cpu for r in results if r.rank_cpu])
-    ops = total["by_op"]
-
-    def cpu(*names: str) -> float:
-        return sum(ops.get(k, [0, 0.0, 0])[1] for k in names)
-
-    oracle_cpu = cpu("OracleWrite", "Verify")
-    oracle_b = sum(ops.get(k, [0, 0.0, 0])[2] for k in ("OracleWrite", "Verify"))
-    start_cpu = cpu("StartRead", "StartWrite")
+    oracle_ops, oracle_cpu, oracle_b = _op_totals(total, ("OracleWrite", "Verify"))
+    start_ops, start_cpu, _ = _op_totals(total, ("StartRead", "StartWrite"))
     posts = int(total["posts"])
     if posts == 0 or start_cpu <= 0:
         raise ValidationError("the FIT runs' ranks reported no post calls or no StartRead / "
@@ -330,13 +320,13 @@ def measured_cpu(results: Sequence[FileResult],
             "rank_op_dispatch_unprepped_us": op_dispatch_unprepped,
             "unprepped_files": len(raw_lists),
             "oracle_core_gbps": oracle_gbps, "oracle_op_us": oracle_op_us,
-            "oracle_ops": sum(ops.get(k, [0, 0.0, 0])[0] for k in ("OracleWrite", "Verify")),
+            "oracle_ops": oracle_ops,
             "coordinator_call_us": round(coordinator["cpu_seconds"] / calls * 1e6, 1)
             if calls else 0.0,
             "coordinator_calls": calls,
             "coordinator_cpu_seconds": float(coordinator["cpu_seconds"]),
             "oracle_bytes": oracle_b, "oracle_cpu_seconds": oracle_cpu,
-            "start_ops": sum(ops.get(k, [0, 0.0, 0])[0] for k in ("StartRead", "StartWrite")),
+            "start_ops": start_ops,
             "start_cpu_seconds": start_cpu, "posts": posts,
             "post_cpu_seconds": float(total["post_cpu_seconds"])}
 

@@ -233,15 +233,21 @@ def test_rank_cpu_adds_up_per_operation_and_merges() -> None:
         merge_rank_cpu([{"by_op": {"StartRead": [1, 0.1]}, "posts": 1, "post_cpu_seconds": 0}])
 
 
+def _with_rank_cpu(rank_cpu: dict[str, Any]) -> Any:
+    """A held-out/FIT file result carrying only ``rank_cpu`` (what the calibration reads)."""
+    from hkvsim.validate import FileResult
+
+    return FileResult(file="f", scenario="s", profile=CPU, sim_seconds=1e-3,
+                      real_seconds=(1e-3,), loads=(0.1,), descriptors_posted=(1, 1),
+                      descriptors_coalesced=(1, 1), outcomes=("ok", "ok"), rank_cpu=rank_cpu)
+
+
 def test_calibration_derives_dispatch_oracle_and_coordinator_from_the_real_ranks() -> None:
     from hkvsim.validate import FileResult, ValidationError
     from hkvsim.validate_fit import measured_cpu
 
     def result(rank_cpu: dict[str, Any]) -> FileResult:
-        return FileResult(file="f", scenario="s", profile=CPU, sim_seconds=1e-3,
-                          real_seconds=(1e-3,), loads=(0.1,), descriptors_posted=(1, 1),
-                          descriptors_coalesced=(1, 1), outcomes=("ok", "ok"),
-                          rank_cpu=rank_cpu)
+        return _with_rank_cpu(rank_cpu)
 
     one = {"by_op": {"StartRead": [10, 0.010, 0], "StartWrite": [2, 0.004, 0],
                      "OracleWrite": [5, 0.002, 4_000_000], "Verify": [5, 0.002, 4_000_000],
@@ -270,12 +276,9 @@ def test_oracle_cost_separates_a_per_operation_cost_from_bytes() -> None:
 
     def result(ops: int, nbytes: int, cpu: float) -> FileResult:
         half = [ops // 2, cpu / 2, nbytes // 2]
-        return FileResult(file="f", scenario="s", profile=CPU, sim_seconds=1e-3,
-                          real_seconds=(1e-3,), loads=(0.1,), descriptors_posted=(1, 1),
-                          descriptors_coalesced=(1, 1), outcomes=("ok", "ok"),
-                          rank_cpu={"by_op": {"OracleWrite": half, "Verify": half,
-                                              "StartRead": [ops, 1.0, 0]},
-                                    "posts": ops, "post_cpu_seconds": 0.1})
+        return _with_rank_cpu({"by_op": {"OracleWrite": half, "Verify": half,
+                                         "StartRead": [ops, 1.0, 0]},
+                               "posts": ops, "post_cpu_seconds": 0.1})
 
     def cost(ops: int, per_op_bytes: int) -> FileResult:  # 1.2 ms per op + 10 GB/s
         return result(ops, ops * per_op_bytes, ops * (1.2e-3 + per_op_bytes / 10e9))
@@ -321,11 +324,8 @@ def test_dispatch_split_separates_per_operation_from_per_post_cpu() -> None:
     def result(ops: int, posts: int, per_op: float, per_post: float) -> FileResult:
         post_cpu = 0.1e-3 * posts  # CPU inside the post calls: not dispatch
         start = ops * per_op + posts * per_post + post_cpu
-        return FileResult(file="f", scenario="s", profile=CPU, sim_seconds=1e-3,
-                          real_seconds=(1e-3,), loads=(0.1,), descriptors_posted=(1, 1),
-                          descriptors_coalesced=(1, 1), outcomes=("ok", "ok"),
-                          rank_cpu={"by_op": {"StartRead": [ops, start, 0]}, "posts": posts,
-                                    "post_cpu_seconds": post_cpu})
+        return _with_rank_cpu({"by_op": {"StartRead": [ops, start, 0]}, "posts": posts,
+                               "post_cpu_seconds": post_cpu})
 
     # one post per operation and two: 400 us per operation + 450 us per post
     files = [result(8, 8, 400e-6, 450e-6), result(8, 16, 400e-6, 450e-6),

@@ -272,7 +272,7 @@ class Fabric:
 
     def path(self, src: Hashable, dst: Hashable) -> tuple[str, ...]:
         """Names of the links a ``src -> dst`` flow crosses."""
-        return tuple(link.name for link in self._route(src, dst)[0])
+        return self._path_of(self._route(src, dst)[0])
 
     def path_latency(self, src: Hashable, dst: Hashable) -> float:
         """One-way latency of the ``src -> dst`` path, in seconds (cached per pair)."""
@@ -450,7 +450,7 @@ class Fabric:
         return TransferTiming(submitted=submitted, post_start=post_start, post_end=post_end,
                               wire_start=wire_start, wire_end=wire_end, done=env.now,
                               nbytes=nbytes, descriptors=descriptors,
-                              path=tuple(link.name for link in links))
+                              path=self._path_of(links))
 
     def _plain_transfer(
         self,
@@ -470,10 +470,8 @@ class Fabric:
         called while another one's post has not ended waits in its endpoint's queue and
         starts its post when that one's end is processed."""
         now = self.env.now
-        path = self._path_names.get(links)
-        if path is None:
-            path = self._path_names[links] = tuple(link.name for link in links)
-        flight = _Flight(self.env, links, path, latency, nbytes, descriptors, now)
+        flight = _Flight(self.env, links, self._path_of(links), latency, nbytes, descriptors,
+                         now)
         queue = self._post_queue.get(poster)
         if queue is None:  # the poster is free: the post starts now
             self._post_queue[poster] = deque()
@@ -481,6 +479,13 @@ class Fabric:
         else:
             queue.append(flight)
         return flight.done
+
+    def _path_of(self, links: tuple[_Link, ...]) -> tuple[str, ...]:
+        """The names of ``links`` (a route's), made once per route."""
+        path = self._path_names.get(links)
+        if path is None:
+            path = self._path_names[links] = tuple(link.name for link in links)
+        return path
 
     def _post(self, poster: Endpoint, flight: "_Flight") -> None:
         """Start ``flight``'s post now on its (free) poster: its end is one event."""
