@@ -14,6 +14,9 @@ run, the oracle's fill and check queue for a core too. Its constants:
   when idle / with transfers in flight (its loop's select timeouts in hkvsim/backends/rank.py;
   read from there, not fitted): a cma transfer completes only once the remote agent has
   progressed since the post, and a notification is seen at the receiver's next poll;
+* ``poll_cpu_us``: the CPU of one idle iteration of a rank's loop that calls into NIXL: every
+  rank's polling takes ``poll_cpu_us / (peer_poll_idle_us + poll_cpu_us)`` of the node's cores
+  (measured in the FIT runs' loops, not fitted);
 * ``oracle_core_gbps`` / ``oracle_op_us``: what one core fills or checks with the oracle, and
   its CPU per fill or check besides the bytes,
 * ``rank_dispatch_us`` / ``rank_dispatch_unprepped_us``: a rank's CPU on a transfer before its
@@ -79,7 +82,8 @@ GRID_NOTICE_US: tuple[float, ...] = (1.0, 50.0, 100.0, 200.0, 300.0, 500.0, 700.
 HOST_KEYS = ("host_copy_cores", "host_copy_core_gbps", "rank_dispatch_us", "rank_op_dispatch_us",
              "rank_op_dispatch_unprepped_us", "oracle_core_gbps",
              "oracle_op_us", "peer_poll_idle_us", "peer_poll_busy_us", "completion_notice_us",
-             "coordinator_message_us")
+             "coordinator_message_us", "coordinator_call_us", "rank_dispatch_unprepped_us",
+             "poll_cpu_us")
 _BLOCK_START = "# ---- host-path model (hkvsim calibrate --host"
 
 
@@ -102,6 +106,7 @@ class HostFit:
     oracle_op_us: float = 0.0  # the oracle's CPU per fill or check besides its bytes
     rank_op_dispatch_us: float = 0.0  # a rank's CPU per StartRead / StartWrite, before its posts
     rank_op_dispatch_unprepped_us: float = 0.0  # ... when it posts raw descriptors
+    poll_cpu_us: float = 0.0  # a rank loop's CPU per idle NIXL poll (0: not modelled)
 
     def overrides(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -117,6 +122,8 @@ class HostFit:
         if self.peer_poll_idle_us:
             out["peer_poll_idle_us"] = self.peer_poll_idle_us
             out["peer_poll_busy_us"] = self.peer_poll_busy_us
+            if self.poll_cpu_us:
+                out["poll_cpu_us"] = self.poll_cpu_us
         if self.coordinator_call_us:
             out["coordinator_call_us"] = self.coordinator_call_us
         if self.rank_dispatch_unprepped_us:
@@ -287,7 +294,10 @@ def measured_cpu(results: Sequence[FileResult],
     ``oracle_core_gbps`` (oracle bytes over the CPU of the fills and checks; None when no run
     ran the oracle), ``rank_dispatch_us`` (CPU of the StartRead / StartWrite operations less
     the CPU inside their post calls, per post) and ``coordinator_call_us`` (the coordinator
-    process's CPU over the runs per call it sent a rank), with the totals they come from.
+    process's CPU over the runs per call it sent a rank), ``poll_cpu_us`` / ``poll_busy_cpu_us``
+    (a rank loop's CPU per iteration calling into NIXL, idle / with transfers in flight; 0.0
+    when the runs' ranks reported none; only the first is modelled), with the totals they come
+    from.
     ``unprepped`` (one flag per result): the file posts transfers made from raw descriptors
     (``descriptor_merge`` contiguous or strided), whose lists NIXL prepares on each call; with
     files of both kinds, ``rank_dispatch_us`` comes from the others and
@@ -315,7 +325,11 @@ def measured_cpu(results: Sequence[FileResult],
     coordinator = total.get("coordinator") or {"calls": 0, "cpu_seconds": 0.0}
     calls = int(coordinator["calls"])
     oracle_gbps, oracle_op_us = oracle_cost(results)
-    return {"rank_dispatch_us": dispatch, "rank_dispatch_unprepped_us": dispatch_unprepped,
+    polls = total.get("polls") or {"idle": [0, 0.0], "busy": [0, 0.0]}
+    return {"poll_cpu_us": _per_iteration_us(polls["idle"]),
+            "poll_busy_cpu_us": _per_iteration_us(polls["busy"]),
+            "poll_iterations": (int(polls["idle"][0]), int(polls["busy"][0])),
+            "rank_dispatch_us": dispatch, "rank_dispatch_unprepped_us": dispatch_unprepped,
             "rank_op_dispatch_us": op_dispatch,
             "rank_op_dispatch_unprepped_us": op_dispatch_unprepped,
             "unprepped_files": len(raw_lists),
@@ -329,6 +343,13 @@ def measured_cpu(results: Sequence[FileResult],
             "start_ops": start_ops,
             "start_cpu_seconds": start_cpu, "posts": posts,
             "post_cpu_seconds": float(total["post_cpu_seconds"])}
+
+
+def _per_iteration_us(entry: Sequence[float]) -> float:
+    """CPU per loop iteration (us) of an ``[iterations, cpu_seconds]`` entry; 0.0 without any
+    (a polling cost is modelled only where it was measured)."""
+    n, cpu = int(entry[0]), float(entry[1])
+    return round(cpu / n * 1e6, 1) if n and cpu > 0 else 0.0
 
 
 # ---- the profile's host block ------------------------------------------------------------------
@@ -366,6 +387,12 @@ coordinator_call_us = {fit.coordinator_call_us}
 # receiver's next poll.
 peer_poll_idle_us = {fit.peer_poll_idle_us}
 peer_poll_busy_us = {fit.peer_poll_busy_us}
+"""
+        if fit.poll_cpu_us:
+            out += f"""# The CPU of one idle loop iteration (NIXL progress and notification checks), measured in
+# the FIT runs' rank loops: every rank's polling takes poll_cpu_us / (peer_poll_idle_us +
+# poll_cpu_us) of a core from its node's cores.
+poll_cpu_us = {fit.poll_cpu_us}
 """
     return out.rstrip("\n")
 
@@ -473,14 +500,14 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
         f"{cpu['rank_op_dispatch_us']} us per operation ({cpu['rank_dispatch_unprepped_us']} + "
         f"{cpu['rank_op_dispatch_unprepped_us']} us from raw descriptors), oracle "
         f"{cpu['oracle_core_gbps']} GB/s per core + {cpu['oracle_op_us']} us per operation, "
-        f"coordinator {cpu['coordinator_call_us']} us "
-        "per call")
+        f"coordinator {cpu['coordinator_call_us']} us per call, a rank loop's NIXL poll "
+        f"{cpu['poll_cpu_us']} / {cpu['poll_busy_cpu_us']} us (idle / busy)")
     real = [r.real_median for r in fit_real]
     measured = HostFit(cores, GRID_GBPS[0], GRID_NOTICE_US[0], coord_us,
                        cpu["rank_dispatch_us"], cpu["oracle_core_gbps"], *rank_poll_periods_us(),
                        cpu["coordinator_call_us"], cpu["rank_dispatch_unprepped_us"] or 0.0,
                        cpu["oracle_op_us"], cpu["rank_op_dispatch_us"],
-                       cpu["rank_op_dispatch_unprepped_us"])
+                       cpu["rank_op_dispatch_unprepped_us"], cpu["poll_cpu_us"])
     fit, fit_sims = fit_host(fit_scen, real, base=measured, profile=profile_in)
     say(f"fit: {fit}")
     loads = [x for r in fit_real for x in r.loads] + [load0]
@@ -570,6 +597,11 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
         f"{cpu['coordinator_calls']:,} calls it sent |",
         f"| peer_poll_idle_us / peer_poll_busy_us | {fit['peer_poll_idle_us']:g} / "
         f"{fit['peer_poll_busy_us']:g} | the rank loop's NIXL poll periods (backends/rank.py) |",
+        f"| poll_cpu_us | {fit['poll_cpu_us']:g} | measured in the FIT runs' rank loops: CPU "
+        f"per idle iteration that calls into NIXL ({cpu['poll_iterations'][0]:,} idle "
+        f"iterations; the {cpu['poll_iterations'][1]:,} with transfers in flight cost "
+        f"{cpu['poll_busy_cpu_us']:g} us each: the completion notice, fitted; 0 = none "
+        "measured, not modelled) |",
         f"| completion_notice_us | {fit['completion_notice_us']} | fitted, with the rate (grid "
         f"{', '.join(f'{n:g}' for n in GRID_NOTICE_US)} us) |",
         f"| oracle_core_gbps / oracle_op_us | {fit['oracle_core_gbps']} / "

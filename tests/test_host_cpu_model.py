@@ -360,3 +360,85 @@ def test_an_operation_pays_its_own_dispatch_once_before_its_first_post() -> None
     assert x0.post_start == pytest.approx(600e-6)  # 500 per operation + 100 for the transfer
     assert x1.post_start - x0.wire_end == pytest.approx(100e-6)  # the second: its own only
     assert y0.post_start == pytest.approx(0.05 + 900e-6 + 100e-6)
+
+
+# ---- the ranks' polling CPU --------------------------------------------------------------------
+POLL = {**HOST, **PEER, "poll_cpu_us": 1000.0}  # each waiting rank demands 1/2 a core
+
+
+def test_other_ranks_polling_stretches_work_only_when_the_busy_cores_lack_room() -> None:
+    """Four ranks on two cores: a copy's rank leaves three pollers of 1/2 a core each; two
+    copies at once share the 0.5 core left (floored at one core: stretched 2x); one copy
+    alone fits in what the pollers leave and is not stretched."""
+    nbytes = 10**7  # 10 ms at 1 GB/s per core
+    plain_one = _fabric(HOST)
+    env, fabric = plain_one
+    ref = fabric.transfer(initiator="a", src="a", dst="b", nbytes=nbytes, descriptors=1)
+    env.run()
+    env, fabric = _fabric(POLL)
+    alone = fabric.transfer(initiator="a", src="a", dst="b", nbytes=nbytes, descriptors=1)
+    env.run()
+    assert alone.value.wire_time == pytest.approx(ref.value.wire_time, rel=1e-12)
+    env, fabric = _fabric(POLL)
+    pair = [fabric.transfer(initiator=k, src=k, dst="d", nbytes=nbytes, descriptors=1)
+            for k in "ab"]
+    env.run()
+    # both start at once and find both cores busy: 2 / max(2 - 1.5, 1) = 2
+    assert [t.value.wire_time for t in pair] == pytest.approx([2 * ref.value.wire_time] * 2,
+                                                              rel=1e-12)
+    # with fewer pollers the stretch is the busy cores over the cores they leave
+    env, fabric = _fabric({**POLL, "poll_cpu_us": 100.0}, names="abc")  # 2 x 1/11 of a core
+    pair = [fabric.transfer(initiator=k, src=k, dst="c", nbytes=nbytes, descriptors=1)
+            for k in "ab"]
+    env.run()
+    assert pair[1].value.wire_time == pytest.approx(
+        ref.value.wire_time * 2 / (2 - 2 * 100 / 1100), rel=1e-12)
+
+
+def test_polling_stretches_the_coordinators_and_the_oracles_work_too() -> None:
+    env, fabric = _fabric(POLL)
+    busy = fabric.cpu_work("a", 10e-3)  # holds one core, 10 ms
+    coord = fabric.coordinator_work(10e-3)  # the second core, all four ranks polling: 2 / 1
+    env.run()
+    assert busy.processed and coord.processed
+    assert env.now == pytest.approx(20e-3, rel=1e-12)
+    env, fabric = _fabric(POLL)
+    alone = fabric.coordinator_work(10e-3)
+    env.run()
+    assert alone.processed and env.now == pytest.approx(10e-3, rel=1e-12)
+
+
+def test_polling_cpu_needs_the_poll_periods() -> None:
+    from hkvsim.fabric import ProfileError
+
+    with pytest.raises(ProfileError, match="'poll_cpu_us' without 'peer_poll_idle_us'"):
+        load_profile(CPU, overrides={**HOST, "poll_cpu_us": 50.0})
+    p = load_profile(CPU, overrides=POLL)
+    assert p.poll_demand == pytest.approx(0.5)
+    assert load_profile(CPU, overrides={**HOST, **PEER}).poll_demand == 0.0
+
+
+def test_rank_loops_report_their_polls_and_calibration_takes_the_idle_ones() -> None:
+    from hkvsim.validate_fit import measured_cpu
+
+    a, b = RankCpu(), RankCpu()
+    a.add_poll(False, 40e-6)
+    a.add_poll(False, 60e-6)
+    a.add_poll(True, 150e-6)
+    b.add_poll(False, 50e-6)
+    merged = merge_rank_cpu([a.to_wire(), b.to_wire()])
+    assert merged["polls"]["idle"] == [3, pytest.approx(150e-6)]
+    assert merged["polls"]["busy"] == [1, pytest.approx(150e-6)]
+    older = {"by_op": {}, "posts": 0, "post_cpu_seconds": 0.0}  # a record without polls
+    assert "polls" not in merge_rank_cpu([older])
+    assert merge_rank_cpu([older, a.to_wire()])["polls"]["idle"][0] == 2
+    with pytest.raises(ValueError, match="rank CPU record .*'polls'"):
+        merge_rank_cpu([{**older, "polls": {"idle": [1, 0.1]}}])
+    one = {**merged, "by_op": {"StartRead": [10, 0.010, 0]}, "posts": 10,
+           "post_cpu_seconds": 0.005}
+    cpu = measured_cpu([_with_rank_cpu(one)])
+    assert cpu["poll_cpu_us"] == pytest.approx(50.0)
+    assert cpu["poll_busy_cpu_us"] == pytest.approx(150.0)
+    assert cpu["poll_iterations"] == (3, 1)
+    assert measured_cpu([_with_rank_cpu(older | {"by_op": {"StartRead": [1, 0.01, 0]},
+                                                 "posts": 1})])["poll_cpu_us"] == 0.0

@@ -241,7 +241,8 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
         "rank_dispatch_unprepped_us": 600.0, "unprepped_files": 1,
         "oracle_cpu_seconds": 1e-3, "start_ops": 10, "start_cpu_seconds": 3e-3, "posts": 10,
         "post_cpu_seconds": 1e-3, "coordinator_call_us": 50.0, "coordinator_calls": 20,
-        "coordinator_cpu_seconds": 1e-3})
+        "coordinator_cpu_seconds": 1e-3, "poll_cpu_us": 45.0, "poll_busy_cpu_us": 90.0,
+        "poll_iterations": (400, 30)})
     monkeypatch.setattr(vf, "check_load", lambda force: (0.5, 2))
     monkeypatch.setattr(vf, "fit_host", lambda sc, real, **kw: (
         replace(kw["base"], core_gbps=1.0, completion_notice_us=100.0), [1e-3] * len(real)))
@@ -259,6 +260,8 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
         assert written.rank_dispatch_unprepped == pytest.approx(600e-6)
         assert (written.peer_poll_idle, written.peer_poll_busy) == (1e-3, 1e-4)  # rank.py's
         assert written.coordinator_call == pytest.approx(50e-6)
+        assert written.poll_cpu == pytest.approx(45e-6)  # the idle iterations' CPU only
+        assert "| poll_cpu_us | 45 |" in report
         assert result["refused"] is None and "accepted: profile written" in report
     else:
         assert "REFUSED: no profile written" in report

@@ -435,7 +435,9 @@ class RankProcess:
                 if message.get("op") == "die":  # the kill-rank fault on a rank of another node
                     os.kill(os.getpid(), signal.SIGKILL)
                 self._command(message)
+            started = time.process_time()
             self._report(executor.poll())  # calls into NIXL every iteration
+            self.cpu.add_poll(busy, time.process_time() - started)
 
     def _report(self, events: list[Any]) -> None:
         """Forward what happened on this rank: outcomes, notifications, late releases."""

@@ -25,7 +25,11 @@ Model of one ``Fabric.transfer``:
    the post, and ``nbytes / host_copy_core_bandwidth`` (the copy). Concurrent transfers of the node beyond its cores queue
    for one, which is what the ranks of a request see on a machine with fewer cores than ranks.
    With ``peer_poll_*`` the transfer then completes no earlier than the remote agent's first
-   NIXL poll since the post (``peer_progress``, given by the transport).
+   NIXL poll since the post (``peer_progress``, given by the transport). With
+   ``poll_cpu_us`` the other rank processes of the node poll NIXL on the same cores: CPU work
+   that finds ``k`` of the node's cores busy (itself included) is stretched by
+   ``max(1, k / max(cores - demand, 1))``, ``demand`` being the other ranks' polling
+   (``FabricProfile.poll_demand`` of a core each).
 3. **Latency.** ``done = wire_end + path latency`` (0 for a same-endpoint copy,
    ``intra_node_latency`` within a node, ``inter_node_latency`` across nodes) ``+ the profile's
    completion overhead`` (0 unless the profile models it). Paths, including the shared per-node
@@ -225,6 +229,10 @@ class Fabric:
         self._path_names: dict[tuple[_Link, ...], tuple[str, ...]] = {}
         self._cores: dict[int, simpy.Resource] = {}  # host path: each node's CPU cores
         self._coordinator: simpy.Resource | None = None  # the coordinator's thread
+        # host path with polling CPU: how many rank processes each node runs
+        self._ranks_on_node: dict[int, int] = {}
+        for ep in set(self._placement.values()):
+            self._ranks_on_node[ep.node] = self._ranks_on_node.get(ep.node, 0) + 1
         self._fid = 0
         self._nflows = 0
         self._last_update = env.now
@@ -357,14 +365,27 @@ class Fabric:
                 return
             with self._node_cores(0).request() as core:
                 yield core
-                yield self.env.timeout(seconds)
+                yield self.env.timeout(seconds * self._polling_stretch(0, own_rank=False))
 
     def _on_a_core(self, ep: Endpoint, seconds: float) -> Generator[simpy.Event, Any, None]:
         with self._poster(ep).request() as thread:  # the rank's one thread does it
             yield thread
             with self._node_cores(ep.node).request() as core:
                 yield core
-                yield self.env.timeout(seconds)
+                yield self.env.timeout(seconds * self._polling_stretch(ep.node))
+
+    def _polling_stretch(self, node: int, own_rank: bool = True) -> float:
+        """How many times longer CPU work starting now on a core of ``node`` takes because the
+        node's rank processes (but the one doing it, ``own_rank``) poll NIXL on its cores
+        (module docstring, host path); 1.0 when the profile does not model polling CPU."""
+        p = self.profile
+        if not p.poll_cpu:
+            return 1.0
+        cores = p.host_cores
+        assert cores is not None
+        pollers = self._ranks_on_node.get(node, 0) - int(own_rank)
+        held = self._node_cores(node).count  # cores doing work now, this job's included
+        return max(1.0, held / max(cores - pollers * p.poll_demand, 1.0))
 
     def handshake(self, src: Hashable, dst: Hashable) -> simpy.Event:
         """An event that succeeds when a handshake started now between ``src`` and ``dst``
@@ -426,14 +447,15 @@ class Fabric:
             yield req
             with self._node_cores(poster.node).request() as core:
                 yield core
+                stretch = self._polling_stretch(poster.node)
                 if dispatch:
-                    yield env.timeout(dispatch)
+                    yield env.timeout(dispatch * stretch)
                 post_start = env.now
-                yield env.timeout(p.post_time(descriptors))
+                yield env.timeout(p.post_time(descriptors) * stretch)
                 post_end = wire_start = env.now
                 if nbytes > 0:
                     assert p.host_copy_core_bandwidth is not None
-                    yield env.timeout(nbytes / p.host_copy_core_bandwidth)
+                    yield env.timeout(nbytes / p.host_copy_core_bandwidth * stretch)
                 wire_end = env.now
         if peer_progress is not None:
             progressed = peer_progress(post_start)

@@ -38,6 +38,15 @@ Optional host-path keys (absent = not modelled; the GPU profiles leave them out)
   calls into NIXL whenever a message from the coordinator wakes it and otherwise every
   ``peer_poll_busy_us`` while it has transfers in flight, every ``peer_poll_idle_us`` when not
   (the rank loop's select timeouts). Absent = the remote's progress is not waited for.
+* ``poll_cpu_us`` (only with the poll periods above): the CPU one idle iteration of a rank's
+  loop spends calling into NIXL (progress, notification checks). Every rank process then
+  demands ``poll_cpu_us / (peer_poll_idle_us + poll_cpu_us)`` of a core while it waits, and
+  CPU work on a node's cores runs slower when the other ranks' polling leaves fewer cores than
+  are busy: a job that finds ``k`` of the node's cores busy (itself included) runs
+  ``max(1, k / max(cores - demand, 1))`` times as long, ``demand`` being the polling of the
+  node's other rank processes. (A busy rank's few iterations between a post and its completion
+  are the completion notice, below.) Measured by ``hkvsim calibrate --host`` in the real
+  ranks' loops; absent = polling costs no CPU.
 * ``coordinator_call_us`` (only with ``host_copy_cores``): the coordinator's CPU per operation
   it sends a rank (deciding it, encoding it, writing it to the rank's socket), on the
   coordinator's one thread and a core of node 0: a request's calls reach its ranks one after
@@ -161,6 +170,7 @@ _SCHEMA: Final[tuple[_Field, ...]] = (
     _Field("oracle_op", "oracle_op_us", "float", "us", optional=True),
     _Field("peer_poll_idle", "peer_poll_idle_us", "float", "us", optional=True),
     _Field("peer_poll_busy", "peer_poll_busy_us", "float", "us", optional=True),
+    _Field("poll_cpu", "poll_cpu_us", "float", "us", optional=True),
     _Field("completion_notice", "completion_notice_us", "float", "us", optional=True),
     _Field("coordinator_message", "coordinator_message_us", "float", "us", optional=True),
 )
@@ -243,6 +253,7 @@ class FabricProfile:
     oracle_op: float = 0.0  # seconds of CPU per oracle fill or check besides its bytes
     peer_poll_idle: float = 0.0  # seconds between a remote rank's NIXL polls, idle (host path)
     peer_poll_busy: float = 0.0  # ... and with transfers in flight
+    poll_cpu: float = 0.0  # seconds of CPU per idle loop iteration of a rank (host path)
     completion_notice: float = 0.0  # seconds: the rank's poll loop noticing a completion
     coordinator_message: float = 0.0  # seconds: the rank's completion message to the coordinator
 
@@ -291,6 +302,13 @@ class FabricProfile:
             raise ValueError(f"profile {self.name!r} models no oracle CPU (no oracle_core_gbps)")
         return self.oracle_op + nbytes / self.oracle_core_bandwidth
 
+    @property
+    def poll_demand(self) -> float:
+        """The fraction of a core a waiting rank process's NIXL polling takes:
+        ``poll_cpu / (peer_poll_idle + poll_cpu)`` (0 when not modelled)."""
+        cpu = self.poll_cpu
+        return cpu / (self.peer_poll_idle + cpu) if cpu else 0.0
+
     def post_time(self, descriptors: int) -> float:
         """CPU time to post one transfer of ``descriptors`` descriptors (launch + n * alpha)."""
         return self.transfer_launch + descriptors * self.per_descriptor
@@ -317,6 +335,11 @@ def _check_host_copy(get: Callable[[str], Any], memory: str, where: str) -> None
                 f"{where}: {key!r} without 'host_copy_cores': it is CPU time on a node's core; "
                 "give the host copy model (host_copy_cores, host_copy_core_gbps) too or leave "
                 f"{key} out")
+    if get("poll_cpu") and not get("peer_poll_idle"):
+        raise ProfileError(
+            f"{where}: 'poll_cpu_us' without 'peer_poll_idle_us' / 'peer_poll_busy_us': a "
+            "rank's polling CPU is per poll period; give the periods too or leave poll_cpu_us "
+            "out")
     if get("oracle_op") and not get("oracle_core_bandwidth"):
         raise ProfileError(
             f"{where}: 'oracle_op_us' without 'oracle_core_gbps': it is the oracle's CPU per "

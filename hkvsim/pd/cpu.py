@@ -4,9 +4,12 @@ charges to a node's cores (hkvsim/fabric/links.py), measured where it is spent.
 A real rank (hkvsim/backends/rank.py) adds up, per operation kind, how many it carried out, the
 CPU seconds they took (``time.process_time``: this process's CPU, not the wall clock, so time
 spent waiting for a core is not counted) and the bytes its oracle touched; and, separately, the
-CPU spent inside the transport's post calls (which, on UCX cma, include the copy). From these,
+CPU spent inside the transport's post calls (which, on UCX cma, include the copy), and the
+iterations of its loop that call into NIXL (progress, completions, notifications) with their CPU,
+idle and with transfers in flight. From these,
 ``hkvsim calibrate --host`` reads what one core fills or checks with the oracle and what a rank
-spends on a transfer before posting it, instead of fitting them.
+spends on a transfer before posting it, and what a rank's polling costs, instead of fitting
+them.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class RankCpu:
     by_op: dict[str, OpCpu] = field(default_factory=dict)
     posts: int = 0  # transport post calls
     post_cpu_seconds: float = 0.0  # CPU inside them
+    # loop iterations calling into NIXL, [iterations, CPU seconds], idle / with transfers in flight
+    poll_idle: list[float] = field(default_factory=lambda: [0, 0.0])
+    poll_busy: list[float] = field(default_factory=lambda: [0, 0.0])
 
     def add_op(self, name: str, cpu_seconds: float, oracle: int = 0) -> None:
         entry = self.by_op.setdefault(name, OpCpu())
@@ -59,20 +65,27 @@ class RankCpu:
         self.posts += 1
         self.post_cpu_seconds += cpu_seconds
 
+    def add_poll(self, busy: bool, cpu_seconds: float) -> None:
+        entry = self.poll_busy if busy else self.poll_idle
+        entry[0] += 1
+        entry[1] += cpu_seconds
+
     def to_wire(self) -> dict[str, Any]:
         return {"by_op": {k: [v.ops, v.cpu_seconds, v.oracle_bytes]
                           for k, v in sorted(self.by_op.items())},
-                "posts": self.posts, "post_cpu_seconds": self.post_cpu_seconds}
+                "posts": self.posts, "post_cpu_seconds": self.post_cpu_seconds,
+                "polls": {"idle": list(self.poll_idle), "busy": list(self.poll_busy)}}
 
 
 def merge_rank_cpu(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
     """The sum of several :meth:`RankCpu.to_wire` dicts (ranks of a run, or runs), in the same
     form, with their ``coordinator`` entries ({"calls", "cpu_seconds"}: the coordinator's CPU
-    over a run, added by the real driver) summed too when present; malformed parts raise
-    ValueError naming what was wrong."""
+    over a run, added by the real driver) and ``polls`` entries summed too when present;
+    malformed parts raise ValueError naming what was wrong."""
     by_op: dict[str, list[float]] = {}
     posts, post_cpu = 0, 0.0
     calls, coordinator_cpu, with_coordinator = 0, 0.0, False
+    polls: dict[str, list[float]] | None = None
     for part in parts:
         try:
             if "coordinator" in part:
@@ -86,12 +99,21 @@ def merge_rank_cpu(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
                 acc[2] += int(nbytes)
             posts += int(part["posts"])
             post_cpu += float(part["post_cpu_seconds"])
+            if "polls" in part:
+                polls = polls or {"idle": [0, 0.0], "busy": [0, 0.0]}
+                for kind in ("idle", "busy"):
+                    n, cpu = part["polls"][kind]
+                    polls[kind][0] += int(n)
+                    polls[kind][1] += float(cpu)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"rank CPU record {part!r}: {exc}; allowed: {{'by_op': {{name: "
                              "[ops, cpu_seconds, oracle_bytes]}, 'posts': int, "
-                             "'post_cpu_seconds': float}") from None
+                             "'post_cpu_seconds': float, optional 'polls': {'idle': "
+                             "[iterations, cpu_seconds], 'busy': [...]}}") from None
     out: dict[str, Any] = {"by_op": {k: by_op[k] for k in sorted(by_op)}, "posts": posts,
                            "post_cpu_seconds": post_cpu}
+    if polls is not None:
+        out["polls"] = polls
     if with_coordinator:
         out["coordinator"] = {"calls": calls, "cpu_seconds": coordinator_cpu}
     return out

@@ -30,6 +30,10 @@ def test_one_held_out_file_on_both_backends(nixl_required: None) -> None:
     assert 0 < r.rank_cpu["post_cpu_seconds"] < ops["StartRead"][1]  # posts run inside it
     assert r.rank_cpu["coordinator"]["calls"] >= 3 * requests
     assert r.rank_cpu["coordinator"]["cpu_seconds"] > 0
+    # each rank's loop counted its NIXL polls: idle ones (at least one per 1 ms idle period of
+    # a run lasting tens of ms, on two ranks) and busy ones (after each READ's post)
+    idle, busy = r.rank_cpu["polls"]["idle"], r.rank_cpu["polls"]["busy"]
+    assert idle[0] >= 20 and idle[1] > 0 and busy[0] >= 1 and busy[1] > 0
 
 
 def test_coalescing_model_matches_nixl_on_the_lists_really_posted(nixl_required: None) -> None:
