@@ -636,8 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "oracle work and the coordinator's; fitted: per-core copy rate and "
                         "completion notice; measured in the real runs' processes: rank "
                         "dispatch per post and per operation, coordinator CPU per call, oracle "
-                        "CPU per operation and per byte; the rank loop's poll "
-                        "periods) on the FIT scenario files, "
+                        "CPU per operation and per byte, a rank loop's CPU per NIXL poll; "
+                        "the rank loop's poll periods) on the FIT scenario files, "
                         "judge them on the held-out files, and write the profile only if the "
                         "held-out median |error| <= 15 %% and the worst <= 40 %%")
     p.add_argument("--fit", nargs="+", default=None, metavar="FILE",
