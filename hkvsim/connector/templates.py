@@ -91,7 +91,7 @@ class _Template:
     relative end; ``spans``: per part and side the pattern's lowest and highest column."""
 
     __slots__ = ("rows", "runs", "m", "rel", "coef", "which", "hulls", "spans", "devices",
-                 "coalescing", "info")
+                 "coalescing", "info", "groups", "gidx", "hull_terms", "varying")
 
     def __init__(self, info: _PairInfo, rows: np.ndarray, runs: np.ndarray | None,
                  rel: np.ndarray, coef: np.ndarray, which: np.ndarray,
@@ -103,6 +103,19 @@ class _Template:
         self.rel, self.coef, self.which = rel, coef, which
         self.hulls, self.spans, self.devices = hulls, spans, devices
         self.coalescing = coalescing  # (runs - fixed joins, the other boundaries)
+        # the same facts per shift group (distinct (which, coef), both sides): every address
+        # is rel + firsts[which] x coef = rel + shift of its group (one shift per group and
+        # transfer, in Python ints)
+        pairs = sorted(set(zip(which.ravel().tolist(), coef.ravel().tolist())))
+        number = {g: i for i, g in enumerate(pairs)}
+        self.groups = pairs
+        self.gidx = np.array([number[g] for g in zip(which.ravel().tolist(),
+                                                      coef.ravel().tolist())],
+                             dtype=np.intp).reshape(which.shape)
+        self.hull_terms = [(dev, [(number[w, c], lo, hi) for w, c, lo, hi in groups])
+                           for dev, groups in zip(devices, hulls)]
+        self.varying = [tuple((number[w0, c0], e0, number[w1, c1], a1)
+                              for w0, c0, e0, w1, c1, a1 in sides) for sides in coalescing[1]]
 
 
 def _pattern(lo: OuterIds, ro: OuterIds) -> "tuple[Any, ...] | None":
@@ -201,16 +214,22 @@ class PlanTemplates:
                 if not (a.col_lo <= l0 + lmin and l0 + lmax <= a.col_hi
                         and b.col_lo <= r0 + rmin and r0 + rmax <= b.col_hi):
                     return None
-        addrs = t.rel + np.array(firsts, dtype=np.int64)[t.which] * t.coef
-        hulls = [(dev, min([lo + firsts[w] * c for w, c, lo, _ in groups]),
-                  max([hi + firsts[w] * c for w, c, _, hi in groups]))
-                 for dev, groups in zip(t.devices, t.hulls)]
-        coalesced, varying = t.coalescing
-        for side_l, side_r in varying:  # boundaries whose join depends on the shifts
-            w0, c0, e0, w1, c1, a1 = side_l
-            if a1 + firsts[w1] * c1 == e0 + firsts[w0] * c0:
-                w0, c0, e0, w1, c1, a1 = side_r
-                coalesced -= a1 + firsts[w1] * c1 == e0 + firsts[w0] * c0
+        shifts = [firsts[w] * c for w, c in t.groups]
+        addrs = t.rel + np.array(shifts, dtype=np.int64)[t.gidx]
+        hulls = []
+        for dev, terms in t.hull_terms:
+            g, low, high = terms[0]
+            low, high = low + shifts[g], high + shifts[g]
+            for g, lo_, hi_ in terms[1:]:
+                if lo_ + shifts[g] < low:
+                    low = lo_ + shifts[g]
+                if hi_ + shifts[g] > high:
+                    high = hi_ + shifts[g]
+            hulls.append((dev, low, high))
+        coalesced = t.coalescing[0]
+        for (g0, e0, g1, a1), (h0, f0, h1, b1) in t.varying:  # joins that depend on shifts
+            if a1 + shifts[g1] == e0 + shifts[g0]:
+                coalesced -= b1 + shifts[h1] == f0 + shifts[h0]
         rows = t.rows.copy()
         m = t.m
         rows[:, :, 0] = addrs[:, :m]

@@ -16,7 +16,13 @@ import numpy as np
 from ..geometry.layout import EngineLayout
 from ..transport.base import DONE, ERR, PROC, Memory, Transport, TransportError, check_pairs
 from ..transport.outer import OuterIds
-from .blocks import PairingError, expand_logical, pair_attention, pair_state_slots, to_sub_blocks
+from .blocks import (
+    PairingError,
+    expand_logical,
+    pair_attention_ids,
+    pair_state_slots,
+    to_sub_blocks,
+)
 from .descriptors import (
     DescriptorList,
     local_descriptors,
@@ -124,6 +130,15 @@ def parse_notification(message: bytes) -> tuple[str, int] | None:
 
 
 # (request, what else the pairing depends on, its _PairedBlocks): see ConnectorWorker._paired_for
+_INT64 = np.dtype(np.int64)
+
+
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    """The parts' ids as one new int64 array (no part is returned as such: the request's
+    arrays are never kept)."""
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 _LAST_PAIRING: "tuple[ReadRequest, tuple[Any, ...], _PairedBlocks] | None" = None
 
 
@@ -160,6 +175,8 @@ class ConnectorWorker:
         self._templates = PlanTemplates()  # descriptor_merge: merged rows by id structure
         self.state_regions = [i for i, r in enumerate(layout.regions)
                               if set(r.layers) & set(self.model.state_layers)]
+        # (group id, is attention) of every group, in order (_pair_blocks, per request)
+        self._group_kinds = tuple((g.group_id, g.kind == "attention") for g in layout.groups)
 
     # ---- registration --------------------------------------------------------------------
     @functools.cached_property
@@ -363,43 +380,47 @@ class ConnectorWorker:
         wrong_ppl = "local-ppl-remote-expansion" in quirks
         p_expand = ppl_d if wrong_ppl and local_is_decode else ppl_p
         d_expand = ppl_p if wrong_ppl and not local_is_decode else ppl_d
+        # docs/semantics.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the ppl
+        # are equal, end-trim. Otherwise front-trim" -- the same ppl test as V4. A block size
+        # ratio is absorbed by decode's sub-block list (ids and hit offset are in
+        # prefill-kernel units), so it is not a ppl difference.
+        heterogeneous = self.model.is_hybrid and ppl_d != ppl_p
+        hit_units = hit_blocks * ppl_d * bsr
+        front_trim = "front-trim-with-prefix-cache" in quirks
         attn_p, attn_d, state_p, state_d = [], [], [], []
-        for group in self.layout.groups:
-            p_ids = np.asarray(prefill_blocks.get(group.group_id, ()), dtype=np.int64)
-            d_ids = np.asarray(decode_blocks.get(group.group_id, ()), dtype=np.int64)
-            if group.kind == "attention":
+        for group_id, attention in self._group_kinds:
+            p_ids = prefill_blocks.get(group_id, ())
+            d_ids = decode_blocks.get(group_id, ())
+            if attention:
                 d_sub = expand_logical(d_ids, d_expand)
                 if bsr > 1:
                     d_sub = to_sub_blocks(d_sub, bsr)
-                pairing = pair_attention(
-                    decode_ids=d_sub, prefill_ids=expand_logical(p_ids, p_expand),
-                    decode_hit_units=hit_blocks * ppl_d * bsr,
-                    # docs/semantics.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the
-                    # ppl are equal, end-trim. Otherwise front-trim" -- the same ppl test as
-                    # V4. A block size ratio is absorbed by decode's sub-block list (ids and hit
-                    # offset are in prefill-kernel units), so it is not a ppl difference.
-                    heterogeneous_ppl=self.model.is_hybrid and ppl_d != ppl_p,
-                    ppl_decode=ppl_d * bsr, ppl_prefill=ppl_p,
-                    front_trim_with_prefix="front-trim-with-prefix-cache" in quirks)
-                attn_p.append(pairing.remote)
-                attn_d.append(pairing.local)
-            elif d_ids.size == p_ids.size:  # the common case of pair_state_slots
+                local, remote = pair_attention_ids(
+                    d_sub, expand_logical(p_ids, p_expand), decode_hit_units=hit_units,
+                    heterogeneous_ppl=heterogeneous, ppl_decode=ppl_d * bsr,
+                    ppl_prefill=ppl_p, front_trim_with_prefix=front_trim)
+                attn_p.append(remote)
+                attn_d.append(local)
+                continue
+            if not (type(p_ids) is np.ndarray and p_ids.dtype is _INT64):
+                p_ids = np.asarray(p_ids, dtype=np.int64)
+            if not (type(d_ids) is np.ndarray and d_ids.dtype is _INT64):
+                d_ids = np.asarray(d_ids, dtype=np.int64)
+            if d_ids.size == p_ids.size:  # the common case of pair_state_slots
                 state_p.append(p_ids)
                 state_d.append(d_ids)
             else:
                 d_slots, p_slots = pair_state_slots(d_ids, p_ids)
                 state_p.append(p_slots)
                 state_d.append(d_slots)
-        empty = np.zeros(0, np.int64)
-        join = (lambda parts: np.concatenate(parts) if parts else empty)
         # one attention group: its pairing's arrays are already new (expand_logical), not
-        # the request's, so they need no copy
+        # the request's, so they need no copy; state slots are copied (concatenated)
         paired = _PairedBlocks(
-            attention_prefill=attn_p[0] if len(attn_p) == 1 else join(attn_p),
-            attention_decode=attn_d[0] if len(attn_d) == 1 else join(attn_d),
-            state_prefill=join(state_p), state_decode=join(state_d))
+            attention_prefill=attn_p[0] if len(attn_p) == 1 else _join(attn_p),
+            attention_decode=attn_d[0] if len(attn_d) == 1 else _join(attn_d),
+            state_prefill=_join(state_p), state_decode=_join(state_d))
         if "attention-only-transfer" in quirks:  # decode runs from zeroed state (ATOM #2154)
-            paired.state_prefill, paired.state_decode = empty, empty
+            paired.state_prefill = paired.state_decode = np.zeros(0, np.int64)
         return paired
 
     def _post_reads(self, req: ReadRequest, outcome: RequestOutcome) -> list[int]:

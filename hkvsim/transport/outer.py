@@ -145,7 +145,7 @@ class _Pair:
 
     __slots__ = ("keep", "local", "remote", "equal", "col_bytes", "joins", "row_part",
                  "l_at0", "l_stride", "l_len", "r_at0", "r_stride", "r_len", "l_end0", "r_end0",
-                 "l_shift", "r_shift", "shape")
+                 "l_shift", "r_shift", "shape", "boundaries")
 
     def __init__(self, local: list[_Rows], remote: list[_Rows], keep: Any) -> None:
         self.keep, self.local, self.remote = keep, local, remote
@@ -168,11 +168,33 @@ class _Pair:
                                                  cat([b.stride for b in remote]),
                                                  cat([b.length for b in remote]))
         self.l_end0, self.r_end0 = self.l_at0 + self.l_len, self.r_at0 + self.r_len
+        self.boundaries = _boundaries(self)
         # what the answers depend on besides the columns (see _shape_of): transfers over
         # pairs of the same shape with the same columns get the same answers
         self.l_shift = int(self.l_at0[0]) if self.l_at0.size else 0
         self.r_shift = int(self.r_at0[0]) if self.r_at0.size else 0
         self.shape = _shape_of(self)
+
+
+def _boundaries(pair: _Pair) -> list[tuple[int, int, int, int, int, int, dict[Any, int]]]:
+    """The boundaries between consecutive rows, by class: (part before, part after, both
+    sides' strides before and after) -> how many boundaries have each (local, remote) gap
+    between the row before's end at column 0 and the row after's address at column 0. A
+    boundary joins (its rows' last and first descriptors continue each other on both sides)
+    when, per side, the gap equals ``last column x stride before - first column x stride
+    after`` -- the same test as comparing the addresses, in Python ints per class (a run has
+    a handful of classes) instead of numpy calls per transfer."""
+    if pair.l_at0.size < 2:
+        return []
+    part = pair.row_part.tolist()
+    ls, rs = pair.l_stride.tolist(), pair.r_stride.tolist()
+    gap_l = (pair.l_at0[1:] - pair.l_end0[:-1]).tolist()
+    gap_r = (pair.r_at0[1:] - pair.r_end0[:-1]).tolist()
+    classes: dict[tuple[int, ...], dict[Any, int]] = {}
+    for b in range(len(gap_l)):
+        gaps = classes.setdefault((part[b], part[b + 1], ls[b], ls[b + 1], rs[b], rs[b + 1]), {})
+        gaps[gap_l[b], gap_r[b]] = gaps.get((gap_l[b], gap_r[b]), 0) + 1
+    return [(*key, gaps) for key, gaps in classes.items()]
 
 
 _SHAPES: dict[tuple[Any, ...], int] = {}  # interned pair shapes -> small int
@@ -280,7 +302,7 @@ def _col_stats(cols: np.ndarray) -> tuple[int, int, int, int]:
     if cols.size <= _SMALL:
         v = cols.tolist()
         return min(v), max(v), v[0], v[-1]
-    return int(cols.min()), int(cols.max()), int(cols[0]), int(cols[-1])
+    return int(cols.min()), int(cols.max()), cols.item(0), cols.item(-1)
 
 
 def _joins_small(lc: np.ndarray, rc: np.ndarray, classes: list[tuple[int, ...]]) -> int:
@@ -377,16 +399,9 @@ def _answer(pair: _Pair, parts_l: tuple[tuple[np.ndarray, np.ndarray], ...],
             within += _joins(lc, rc, classes)
         nbytes += cb * k
         ends.append((l0, ll, r0, rl))
+    # joins between rows: a row's last descriptor and the next row's first (see _boundaries)
     between = 0
-    if pair.l_at0.size > 1:  # joins between rows: a row's last descriptor, the next's first
-        if len(ends) == 1:
-            fl, la, fr, lr = ends[0]
-        else:
-            per_row = np.array(ends, dtype=np.int64)[pair.row_part]
-            fl, la, fr, lr = per_row[:, 0], per_row[:, 1], per_row[:, 2], per_row[:, 3]
-        tail_l = pair.l_end0 + la * pair.l_stride
-        tail_r = pair.r_end0 + lr * pair.r_stride
-        head_l = pair.l_at0 + fl * pair.l_stride
-        head_r = pair.r_at0 + fr * pair.r_stride
-        between = int(np.count_nonzero((head_l[1:] == tail_l[:-1]) & (head_r[1:] == tail_r[:-1])))
+    for p0, p1, ls0, ls1, rs0, rs1, gaps in pair.boundaries:
+        between += gaps.get((ends[p0][1] * ls0 - ends[p1][0] * ls1,
+                             ends[p0][3] * rs0 - ends[p1][2] * rs1), 0)
     return _Answer(nbytes, size - within - between)
