@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PairingError", "expand_logical", "to_sub_blocks", "AttentionPairing",
+__all__ = ["PairingError", "expand_logical", "expand_logical_range", "to_sub_blocks", "AttentionPairing",
            "pair_attention", "pair_attention_ids", "pair_state_slots"]
 
 
@@ -34,11 +34,22 @@ def _offsets(ppl: int) -> np.ndarray:
 def expand_logical(logical_ids: np.ndarray, ppl: int) -> np.ndarray:
     """logical * ppl + [0..ppl) for every id, in order (attention groups only). Always a new
     array (callers may keep it as read-only ids of their own)."""
+    return expand_logical_range(logical_ids, ppl)[0]
+
+
+def expand_logical_range(logical_ids: np.ndarray, ppl: int) -> tuple[np.ndarray, bool]:
+    """(:func:`expand_logical`, whether the result is known to be consecutive ids
+    ``first, first + 1, ...``). Known for up to 64 logical ids, checked exactly; False says
+    only "not known" (longer lists are not checked)."""
     ids = logical_ids if (type(logical_ids) is np.ndarray and logical_ids.dtype is _INT64
                           ) else np.asarray(logical_ids, dtype=np.int64)
+    if 0 < ids.size <= 64 and ids.ndim == 1:  # consecutive ids (fresh blocks): one range
+        v = ids.tolist()
+        if v[-1] - v[0] == len(v) - 1 and v == list(range(v[0], v[0] + len(v))):
+            return np.arange(v[0] * ppl, (v[-1] + 1) * ppl, dtype=np.int64), True
     if ppl == 1:  # (the common case: the ids themselves, as a new array)
-        return ids.reshape(-1).copy()
-    return (ids.reshape(-1, 1) * ppl + _offsets(ppl)).ravel()
+        return ids.reshape(-1).copy(), False
+    return (ids.reshape(-1, 1) * ppl + _offsets(ppl)).ravel(), False
 
 
 def to_sub_blocks(kernel_ids: np.ndarray, bsr: int) -> np.ndarray:

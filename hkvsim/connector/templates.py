@@ -122,31 +122,39 @@ def _pattern(lo: OuterIds, ro: OuterIds) -> "tuple[Any, ...] | None":
     """(pattern key, first columns [local parts..., remote parts...]) of two OuterIds with
     parts of equal column counts, else None."""
     global _LAST_PATTERN
-    cols = [c for _, c in lo.parts] + [c for _, c in ro.parts]
+    lp, rp = lo.parts, ro.parts
+    n = len(lp)
+    if len(rp) != n:
+        return None
     last = _LAST_PATTERN
-    if last is not None and len(last[0]) == len(cols):
-        for a, b in zip(last[0], cols):
-            if a is not b:
+    if last is not None and len(last[0]) == 2 * n:
+        seen = last[0]
+        for i in range(n):
+            if seen[i] is not lp[i][1] or seen[n + i] is not rp[i][1]:
                 break
         else:
             return last[1]
-    n = len(lo.parts)
-    key: list[Any] = []
-    firsts: list[int] = []
-    for i, c in enumerate(cols):
-        if i < n and c.size != cols[i + n].size:
+    lr, rr = lo.ranges, ro.ranges
+    key: list[Any] = [None] * (2 * n)
+    firsts: list[int] = [0] * (2 * n)
+    for i in range(n):
+        a, b = lp[i][1], rp[i][1]
+        k = a.size
+        if k != b.size:
             return None
-        if c.size <= 16:  # a few columns: Python ints (fewer numpy calls)
-            v = c.tolist()
-            c0 = v[0]
-            key.append(tuple([x - c0 for x in v]))
-        else:
-            c0 = c.item(0)
-            key.append((c - c0).tobytes())
-        firsts.append(c0)
+        if k <= 16:  # a few columns: Python ints (fewer numpy calls)
+            v, w = a.tolist(), b.tolist()
+            a0, b0 = v[0], w[0]
+            key[i] = tuple([x - a0 for x in v])
+            key[n + i] = tuple([x - b0 for x in w])
+        else:  # columns known to be consecutive (OuterIds.ranges) need not be read
+            a0, b0 = a.item(0), b.item(0)
+            key[i] = ("range", k) if lr is not None and lr[i] else (a - a0).tobytes()
+            key[n + i] = ("range", k) if rr is not None and rr[i] else (b - b0).tobytes()
+        firsts[i], firsts[n + i] = a0, b0
     got = (tuple(key), firsts)
     if lo.frozen and ro.frozen:  # never modified: remembered by identity
-        _LAST_PATTERN = (cols, got)
+        _LAST_PATTERN = ([c for _, c in lp] + [c for _, c in rp], got)
     return got
 
 
