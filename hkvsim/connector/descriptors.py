@@ -83,16 +83,20 @@ class DescriptorList:
         return np.ascontiguousarray(self._subregion_starts[:, 0])
 
     def outer_ids(self, block_ids: np.ndarray | None, slot_ids: np.ndarray | None, *,
-                  frozen: bool = False) -> OuterIds:
+                  frozen: bool = False, block_range: bool = False) -> OuterIds:
         """``attention_ids(block_ids)`` then ``state_ids(slot_ids)`` (None: none), as the
         OuterIds they are: the transport can check them from their structure. ``frozen``: the
-        caller never modifies the arrays (see OuterIds)."""
+        caller never modifies the arrays (see OuterIds). ``block_range``: the caller knows
+        ``block_ids`` to be consecutive ids (OuterIds.ranges)."""
         parts = []
+        ranges = []
         if block_ids is not None:
             parts.append((self.region_starts, block_ids))
+            ranges.append(block_range)
         if slot_ids is not None:
             parts.append((self.subregion_starts, slot_ids))
-        return OuterIds.of_arrays(parts, frozen=frozen)
+            ranges.append(False)
+        return OuterIds.of_arrays(parts, frozen=frozen, ranges=ranges if block_range else None)
 
     def attention_ids(self, block_ids: np.ndarray) -> np.ndarray:
         """ids r*N_fa + k for every attention region r (region-major), k in ``block_ids``."""

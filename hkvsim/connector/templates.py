@@ -91,7 +91,7 @@ class _Template:
     relative end; ``spans``: per part and side the pattern's lowest and highest column."""
 
     __slots__ = ("rows", "runs", "m", "rel", "coef", "which", "hulls", "spans", "devices",
-                 "coalescing", "info")
+                 "coalescing", "info", "groups", "gidx", "hull_terms", "varying")
 
     def __init__(self, info: _PairInfo, rows: np.ndarray, runs: np.ndarray | None,
                  rel: np.ndarray, coef: np.ndarray, which: np.ndarray,
@@ -103,37 +103,58 @@ class _Template:
         self.rel, self.coef, self.which = rel, coef, which
         self.hulls, self.spans, self.devices = hulls, spans, devices
         self.coalescing = coalescing  # (runs - fixed joins, the other boundaries)
+        # the same facts per shift group (distinct (which, coef), both sides): every address
+        # is rel + firsts[which] x coef = rel + shift of its group (one shift per group and
+        # transfer, in Python ints)
+        pairs = sorted(set(zip(which.ravel().tolist(), coef.ravel().tolist())))
+        number = {g: i for i, g in enumerate(pairs)}
+        self.groups = pairs
+        self.gidx = np.array([number[g] for g in zip(which.ravel().tolist(),
+                                                      coef.ravel().tolist())],
+                             dtype=np.intp).reshape(which.shape)
+        self.hull_terms = [(dev, [(number[w, c], lo, hi) for w, c, lo, hi in groups])
+                           for dev, groups in zip(devices, hulls)]
+        self.varying = [tuple((number[w0, c0], e0, number[w1, c1], a1)
+                              for w0, c0, e0, w1, c1, a1 in sides) for sides in coalescing[1]]
 
 
 def _pattern(lo: OuterIds, ro: OuterIds) -> "tuple[Any, ...] | None":
     """(pattern key, first columns [local parts..., remote parts...]) of two OuterIds with
     parts of equal column counts, else None."""
     global _LAST_PATTERN
-    cols = [c for _, c in lo.parts] + [c for _, c in ro.parts]
+    lp, rp = lo.parts, ro.parts
+    n = len(lp)
+    if len(rp) != n:
+        return None
     last = _LAST_PATTERN
-    if last is not None and len(last[0]) == len(cols):
-        for a, b in zip(last[0], cols):
-            if a is not b:
+    if last is not None and len(last[0]) == 2 * n:
+        seen = last[0]
+        for i in range(n):
+            if seen[i] is not lp[i][1] or seen[n + i] is not rp[i][1]:
                 break
         else:
             return last[1]
-    n = len(lo.parts)
-    key: list[Any] = []
-    firsts: list[int] = []
-    for i, c in enumerate(cols):
-        if i < n and c.size != cols[i + n].size:
+    lr, rr = lo.ranges, ro.ranges
+    key: list[Any] = [None] * (2 * n)
+    firsts: list[int] = [0] * (2 * n)
+    for i in range(n):
+        a, b = lp[i][1], rp[i][1]
+        k = a.size
+        if k != b.size:
             return None
-        if c.size <= 16:  # a few columns: Python ints (fewer numpy calls)
-            v = c.tolist()
-            c0 = v[0]
-            key.append(tuple([x - c0 for x in v]))
-        else:
-            c0 = c.item(0)
-            key.append((c - c0).tobytes())
-        firsts.append(c0)
+        if k <= 16:  # a few columns: Python ints (fewer numpy calls)
+            v, w = a.tolist(), b.tolist()
+            a0, b0 = v[0], w[0]
+            key[i] = tuple([x - a0 for x in v])
+            key[n + i] = tuple([x - b0 for x in w])
+        else:  # columns known to be consecutive (OuterIds.ranges) need not be read
+            a0, b0 = a.item(0), b.item(0)
+            key[i] = ("range", k) if lr is not None and lr[i] else (a - a0).tobytes()
+            key[n + i] = ("range", k) if rr is not None and rr[i] else (b - b0).tobytes()
+        firsts[i], firsts[n + i] = a0, b0
     got = (tuple(key), firsts)
     if lo.frozen and ro.frozen:  # never modified: remembered by identity
-        _LAST_PATTERN = (cols, got)
+        _LAST_PATTERN = ([c for _, c in lp] + [c for _, c in rp], got)
     return got
 
 
@@ -201,16 +222,22 @@ class PlanTemplates:
                 if not (a.col_lo <= l0 + lmin and l0 + lmax <= a.col_hi
                         and b.col_lo <= r0 + rmin and r0 + rmax <= b.col_hi):
                     return None
-        addrs = t.rel + np.array(firsts, dtype=np.int64)[t.which] * t.coef
-        hulls = [(dev, min([lo + firsts[w] * c for w, c, lo, _ in groups]),
-                  max([hi + firsts[w] * c for w, c, _, hi in groups]))
-                 for dev, groups in zip(t.devices, t.hulls)]
-        coalesced, varying = t.coalescing
-        for side_l, side_r in varying:  # boundaries whose join depends on the shifts
-            w0, c0, e0, w1, c1, a1 = side_l
-            if a1 + firsts[w1] * c1 == e0 + firsts[w0] * c0:
-                w0, c0, e0, w1, c1, a1 = side_r
-                coalesced -= a1 + firsts[w1] * c1 == e0 + firsts[w0] * c0
+        shifts = [firsts[w] * c for w, c in t.groups]
+        addrs = t.rel + np.array(shifts, dtype=np.int64)[t.gidx]
+        hulls = []
+        for dev, terms in t.hull_terms:
+            g, low, high = terms[0]
+            low, high = low + shifts[g], high + shifts[g]
+            for g, lo_, hi_ in terms[1:]:
+                if lo_ + shifts[g] < low:
+                    low = lo_ + shifts[g]
+                if hi_ + shifts[g] > high:
+                    high = hi_ + shifts[g]
+            hulls.append((dev, low, high))
+        coalesced = t.coalescing[0]
+        for (g0, e0, g1, a1), (h0, f0, h1, b1) in t.varying:  # joins that depend on shifts
+            if a1 + shifts[g1] == e0 + shifts[g0]:
+                coalesced -= b1 + shifts[h1] == f0 + shifts[h0]
         rows = t.rows.copy()
         m = t.m
         rows[:, :, 0] = addrs[:, :m]

@@ -16,7 +16,13 @@ import numpy as np
 from ..geometry.layout import EngineLayout
 from ..transport.base import DONE, ERR, PROC, Memory, Transport, TransportError, check_pairs
 from ..transport.outer import OuterIds
-from .blocks import PairingError, expand_logical, pair_attention, pair_state_slots, to_sub_blocks
+from .blocks import (
+    PairingError,
+    expand_logical_range,
+    pair_attention_ids,
+    pair_state_slots,
+    to_sub_blocks,
+)
 from .descriptors import (
     DescriptorList,
     local_descriptors,
@@ -100,6 +106,10 @@ class _PairedBlocks:  # read-only once made: one request's ranks may share it
     attention_decode: np.ndarray  # decode kernel (or sub-) block ids, paired by position
     state_prefill: np.ndarray
     state_decode: np.ndarray
+    # whether attention_prefill / attention_decode are known to be consecutive ids (a
+    # range: expand_logical_range); lets the transport skip reading them (OuterIds.ranges)
+    prefill_range: bool = False
+    decode_range: bool = False
 
 
 @dataclass(eq=False)
@@ -124,6 +134,15 @@ def parse_notification(message: bytes) -> tuple[str, int] | None:
 
 
 # (request, what else the pairing depends on, its _PairedBlocks): see ConnectorWorker._paired_for
+_INT64 = np.dtype(np.int64)
+
+
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    """The parts' ids as one new int64 array (no part is returned as such: the request's
+    arrays are never kept)."""
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 _LAST_PAIRING: "tuple[ReadRequest, tuple[Any, ...], _PairedBlocks] | None" = None
 
 
@@ -160,6 +179,8 @@ class ConnectorWorker:
         self._templates = PlanTemplates()  # descriptor_merge: merged rows by id structure
         self.state_regions = [i for i, r in enumerate(layout.regions)
                               if set(r.layers) & set(self.model.state_layers)]
+        # (group id, is attention) of every group, in order (_pair_blocks, per request)
+        self._group_kinds = tuple((g.group_id, g.kind == "attention") for g in layout.groups)
 
     # ---- registration --------------------------------------------------------------------
     @functools.cached_property
@@ -331,16 +352,19 @@ class ConnectorWorker:
 
     def _transfer_ids(self, local_list: DescriptorList, remote_list: DescriptorList,
                       blocks: "tuple[np.ndarray, np.ndarray] | None",
-                      slots: "tuple[np.ndarray, np.ndarray] | None") -> tuple[Any, Any, int]:
+                      slots: "tuple[np.ndarray, np.ndarray] | None",
+                      ranges: tuple[bool, bool] = (False, False)) -> tuple[Any, Any, int]:
         """(local ids, remote ids, bytes) of a transfer of paired attention ``blocks`` and state
         ``slots`` ((local, remote) ids each; None: that part is not moved): every attention
         region's ids of the blocks, then every state sub-region's of the slots. As OuterIds
         (the same ids with their structure, transport/outer.py) for a transport that reads it,
-        else flat int64 arrays; bytes counted per region, without a per-descriptor gather."""
+        else flat int64 arrays; bytes counted per region, without a per-descriptor gather.
+        ``ranges``: whether the local / remote attention blocks are known to be consecutive
+        ids (_PairedBlocks; passed on with the OuterIds)."""
         (la, ra), (ls, rs) = blocks or (None, None), slots or (None, None)
         # the paired ids are never modified once made (_PairedBlocks): frozen columns
-        local_ids = local_list.outer_ids(la, ls, frozen=True)
-        remote_ids = remote_list.outer_ids(ra, rs, frozen=True)
+        local_ids = local_list.outer_ids(la, ls, frozen=True, block_range=ranges[0])
+        remote_ids = remote_list.outer_ids(ra, rs, frozen=True, block_range=ranges[1])
         nbytes = ((0 if la is None else la.size * local_list.attention_bytes)
                   + (0 if ls is None else ls.size * local_list.state_bytes))
         if not self._outer_ids and self.settings.descriptor_merge == "off":
@@ -363,43 +387,56 @@ class ConnectorWorker:
         wrong_ppl = "local-ppl-remote-expansion" in quirks
         p_expand = ppl_d if wrong_ppl and local_is_decode else ppl_p
         d_expand = ppl_p if wrong_ppl and not local_is_decode else ppl_d
+        # docs/semantics.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the ppl
+        # are equal, end-trim. Otherwise front-trim" -- the same ppl test as V4. A block size
+        # ratio is absorbed by decode's sub-block list (ids and hit offset are in
+        # prefill-kernel units), so it is not a ppl difference.
+        heterogeneous = self.model.is_hybrid and ppl_d != ppl_p
+        hit_units = hit_blocks * ppl_d * bsr
+        front_trim = "front-trim-with-prefix-cache" in quirks
         attn_p, attn_d, state_p, state_d = [], [], [], []
-        for group in self.layout.groups:
-            p_ids = np.asarray(prefill_blocks.get(group.group_id, ()), dtype=np.int64)
-            d_ids = np.asarray(decode_blocks.get(group.group_id, ()), dtype=np.int64)
-            if group.kind == "attention":
-                d_sub = expand_logical(d_ids, d_expand)
+        ranges = (False, False)
+        for group_id, attention in self._group_kinds:
+            p_ids = prefill_blocks.get(group_id, ())
+            d_ids = decode_blocks.get(group_id, ())
+            if attention:
+                d_sub, d_range = expand_logical_range(d_ids, d_expand)
                 if bsr > 1:
-                    d_sub = to_sub_blocks(d_sub, bsr)
-                pairing = pair_attention(
-                    decode_ids=d_sub, prefill_ids=expand_logical(p_ids, p_expand),
-                    decode_hit_units=hit_blocks * ppl_d * bsr,
-                    # docs/semantics.md §7: "Non-hybrid: end-trim"; hybrid attention groups: "If the
-                    # ppl are equal, end-trim. Otherwise front-trim" -- the same ppl test as
-                    # V4. A block size ratio is absorbed by decode's sub-block list (ids and hit
-                    # offset are in prefill-kernel units), so it is not a ppl difference.
-                    heterogeneous_ppl=self.model.is_hybrid and ppl_d != ppl_p,
-                    ppl_decode=ppl_d * bsr, ppl_prefill=ppl_p,
-                    front_trim_with_prefix="front-trim-with-prefix-cache" in quirks)
-                attn_p.append(pairing.remote)
-                attn_d.append(pairing.local)
-            elif d_ids.size == p_ids.size:  # the common case of pair_state_slots
+                    d_sub, d_range = to_sub_blocks(d_sub, bsr), False
+                p_sub, p_range = expand_logical_range(p_ids, p_expand)
+                # (a slice of consecutive ids is consecutive: pairing keeps the flags)
+                local, remote = pair_attention_ids(
+                    d_sub, p_sub, decode_hit_units=hit_units,
+                    heterogeneous_ppl=heterogeneous, ppl_decode=ppl_d * bsr,
+                    ppl_prefill=ppl_p, front_trim_with_prefix=front_trim)
+                attn_p.append(remote)
+                attn_d.append(local)
+                ranges = (p_range, d_range)
+                continue
+            if not (type(p_ids) is np.ndarray and p_ids.dtype is _INT64):
+                p_ids = np.asarray(p_ids, dtype=np.int64)
+            if not (type(d_ids) is np.ndarray and d_ids.dtype is _INT64):
+                d_ids = np.asarray(d_ids, dtype=np.int64)
+            if d_ids.size == p_ids.size:  # the common case of pair_state_slots
                 state_p.append(p_ids)
                 state_d.append(d_ids)
             else:
                 d_slots, p_slots = pair_state_slots(d_ids, p_ids)
                 state_p.append(p_slots)
                 state_d.append(d_slots)
-        empty = np.zeros(0, np.int64)
-        join = (lambda parts: np.concatenate(parts) if parts else empty)
         # one attention group: its pairing's arrays are already new (expand_logical), not
-        # the request's, so they need no copy
-        paired = _PairedBlocks(
-            attention_prefill=attn_p[0] if len(attn_p) == 1 else join(attn_p),
-            attention_decode=attn_d[0] if len(attn_d) == 1 else join(attn_d),
-            state_prefill=join(state_p), state_decode=join(state_d))
+        # the request's, so they need no copy; state slots are copied (concatenated)
+        if len(attn_p) == 1:
+            paired = _PairedBlocks(
+                attention_prefill=attn_p[0], attention_decode=attn_d[0],
+                state_prefill=_join(state_p), state_decode=_join(state_d),
+                prefill_range=ranges[0], decode_range=ranges[1])
+        else:  # (joined groups: not known to be consecutive)
+            paired = _PairedBlocks(
+                attention_prefill=_join(attn_p), attention_decode=_join(attn_d),
+                state_prefill=_join(state_p), state_decode=_join(state_d))
         if "attention-only-transfer" in quirks:  # decode runs from zeroed state (ATOM #2154)
-            paired.state_prefill, paired.state_decode = empty, empty
+            paired.state_prefill = paired.state_decode = np.zeros(0, np.int64)
         return paired
 
     def _post_reads(self, req: ReadRequest, outcome: RequestOutcome) -> list[int]:
@@ -429,7 +466,8 @@ class ConnectorWorker:
             rl = remote.remote_list
             local_ids, remote_ids, nbytes = self._transfer_ids(
                 local_list, rl, (la, ra) if reads_attention else None,
-                (ls, rs) if reads_state else None)
+                (ls, rs) if reads_state else None,
+                (paired.decode_range, paired.prefill_range))
             notif = f"{req.prefill_request_id}:{count}".encode()
             self._post("READ", local_list, local_handle, local_ids, remote, remote_ids, notif,
                        handles, outcome, nbytes)
@@ -504,8 +542,8 @@ class ConnectorWorker:
             else:
                 local_list, local_handle = self._local_list(1)
             rl = remote.remote_list
-            local_ids, remote_ids, nbytes = self._transfer_ids(local_list, rl, (la, ra),
-                                                               (ls, rs))
+            local_ids, remote_ids, nbytes = self._transfer_ids(
+                local_list, rl, (la, ra), (ls, rs), (paired.prefill_range, paired.decode_range))
             self._post("WRITE", local_list, local_handle, local_ids, remote, remote_ids, notif,
                        handles, outcome, nbytes)
         return handles

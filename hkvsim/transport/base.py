@@ -264,10 +264,10 @@ class CheckedPairs:
 
     def coalesced(self) -> int:
         """Descriptors left after NIXL coalesces pairs adjacent on both sides."""
-        from .coalesce import coalesced_count
-
         if self._outer is not None:
             return self._outer.coalesced
+        from .coalesce import coalesced_count
+
         n = self._runs.coalesced() if self._runs is not None else None
         return n if n is not None else coalesced_count(self.rows("local"), self.rows("remote"))
 
@@ -480,6 +480,13 @@ def registration_problem(descs: "np.ndarray | AffineList", ranges: np.ndarray, *
     materialised and checked descriptor by descriptor (the same answer, the same message).
     ``first_index``: the id of ``descs``' first row (in the message)."""
     ranges = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
+    if type(descs) is np.ndarray:  # runs just vouched for (PlannedRows): the template's hull
+        hull = hull_of(descs)
+        if hull is not None:
+            dev, lo, hi = hull
+            for a, n, d in ranges.tolist():
+                if d == dev and a <= lo and hi <= a + n:
+                    return None
     if isinstance(descs, AffineList):
         spans = [(int(a), int(a) + int(n)) for a, n, d in ranges if int(d) == descs.device]
         for s, first, lo, hi in descs.hulls():

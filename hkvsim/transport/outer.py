@@ -27,6 +27,7 @@ from .affine import AffineList
 __all__ = ["OuterIds", "OuterPairs", "outer_pairs", "pair_geometry"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_INT64 = np.dtype(np.int64)
 
 
 def _int64(values: Any, what: str) -> np.ndarray:
@@ -49,23 +50,36 @@ class OuterIds:
     promises never to modify the arrays (the connector's paired ids), so a transport may
     remember what it derived from them by their identity (:func:`outer_pairs`)."""
 
-    __slots__ = ("parts", "size", "_flat", "frozen")
+    __slots__ = ("parts", "size", "_flat", "frozen", "ranges")
 
     @classmethod
     def of_arrays(cls, parts: Sequence[tuple[np.ndarray, np.ndarray]], *,
-                  frozen: bool = False) -> "OuterIds":
+                  frozen: bool = False, ranges: "Sequence[bool] | None" = None) -> "OuterIds":
         """The same, from parts that are already 1-D int64 arrays (the connector's: not
-        converted again); anything else goes through the checked constructor."""
-        for s, c in parts:
-            if not (type(s) is np.ndarray and type(c) is np.ndarray and s.dtype == np.int64
-                    and c.dtype == np.int64 and s.ndim == 1 and c.ndim == 1):
+        converted again); anything else goes through the checked constructor. ``ranges``
+        (frozen ids only): per part, whether the caller knows its columns to be consecutive
+        ids ``c0, c0 + 1, ...`` (a promise, like ``frozen``; readers may then skip reading
+        them: :attr:`ranges`)."""
+        size = 0
+        kept = []
+        known = []
+        for i, (s, c) in enumerate(parts):
+            # (dtype identity: the int64 dtype numpy gives; any other goes the checked way)
+            if not (type(s) is np.ndarray and type(c) is np.ndarray and s.dtype is _INT64
+                    and c.dtype is _INT64 and s.ndim == 1 and c.ndim == 1):
                 return cls(parts, frozen=frozen)
+            n = s.size * c.size
+            if n:
+                kept.append((s, c))
+                size += n
+                if ranges is not None:
+                    known.append(bool(ranges[i]))
         self = cls.__new__(cls)
-        kept = tuple([(s, c) for s, c in parts if s.size and c.size])
-        self.parts = kept
-        self.size = sum([s.size * c.size for s, c in kept])
+        self.parts = tuple(kept)
+        self.size = size
         self._flat = None
         self.frozen = frozen
+        self.ranges = tuple(known) if ranges is not None and frozen and any(known) else None
         return self
 
     def __init__(self, parts: Sequence[tuple[Any, Any]], *, frozen: bool = False) -> None:
@@ -78,6 +92,8 @@ class OuterIds:
         self.size = sum(s.size * c.size for s, c in kept)
         self._flat: np.ndarray | None = None
         self.frozen = frozen
+        # per part, whether its columns are known to be consecutive ids (None: none known)
+        self.ranges: tuple[bool, ...] | None = None
 
     @property
     def shape(self) -> tuple[int]:
@@ -145,7 +161,7 @@ class _Pair:
 
     __slots__ = ("keep", "local", "remote", "equal", "col_bytes", "joins", "row_part",
                  "l_at0", "l_stride", "l_len", "r_at0", "r_stride", "r_len", "l_end0", "r_end0",
-                 "l_shift", "r_shift", "shape")
+                 "l_shift", "r_shift", "shape", "boundaries")
 
     def __init__(self, local: list[_Rows], remote: list[_Rows], keep: Any) -> None:
         self.keep, self.local, self.remote = keep, local, remote
@@ -168,11 +184,33 @@ class _Pair:
                                                  cat([b.stride for b in remote]),
                                                  cat([b.length for b in remote]))
         self.l_end0, self.r_end0 = self.l_at0 + self.l_len, self.r_at0 + self.r_len
+        self.boundaries = _boundaries(self)
         # what the answers depend on besides the columns (see _shape_of): transfers over
         # pairs of the same shape with the same columns get the same answers
         self.l_shift = int(self.l_at0[0]) if self.l_at0.size else 0
         self.r_shift = int(self.r_at0[0]) if self.r_at0.size else 0
         self.shape = _shape_of(self)
+
+
+def _boundaries(pair: _Pair) -> list[tuple[int, int, int, int, int, int, dict[Any, int]]]:
+    """The boundaries between consecutive rows, by class: (part before, part after, both
+    sides' strides before and after) -> how many boundaries have each (local, remote) gap
+    between the row before's end at column 0 and the row after's address at column 0. A
+    boundary joins (its rows' last and first descriptors continue each other on both sides)
+    when, per side, the gap equals ``last column x stride before - first column x stride
+    after`` -- the same test as comparing the addresses, in Python ints per class (a run has
+    a handful of classes) instead of numpy calls per transfer."""
+    if pair.l_at0.size < 2:
+        return []
+    part = pair.row_part.tolist()
+    ls, rs = pair.l_stride.tolist(), pair.r_stride.tolist()
+    gap_l = (pair.l_at0[1:] - pair.l_end0[:-1]).tolist()
+    gap_r = (pair.r_at0[1:] - pair.r_end0[:-1]).tolist()
+    classes: dict[tuple[int, ...], dict[Any, int]] = {}
+    for b in range(len(gap_l)):
+        gaps = classes.setdefault((part[b], part[b + 1], ls[b], ls[b + 1], rs[b], rs[b + 1]), {})
+        gaps[gap_l[b], gap_r[b]] = gaps.get((gap_l[b], gap_r[b]), 0) + 1
+    return [(*key, gaps) for key, gaps in classes.items()]
 
 
 _SHAPES: dict[tuple[Any, ...], int] = {}  # interned pair shapes -> small int
@@ -280,7 +318,7 @@ def _col_stats(cols: np.ndarray) -> tuple[int, int, int, int]:
     if cols.size <= _SMALL:
         v = cols.tolist()
         return min(v), max(v), v[0], v[-1]
-    return int(cols.min()), int(cols.max()), int(cols[0]), int(cols[-1])
+    return int(cols.min()), int(cols.max()), cols.item(0), cols.item(-1)
 
 
 def _joins_small(lc: np.ndarray, rc: np.ndarray, classes: list[tuple[int, ...]]) -> int:
@@ -314,7 +352,7 @@ def pair_geometry(local: AffineList, lo: OuterIds, remote: AffineList, ro: Outer
     parts_l, parts_r = lo.parts, ro.parts
     if not parts_l or len(parts_l) != len(parts_r):
         return None
-    key = (id(local), id(remote), *[id(a[0]) for a in parts_l], *[id(b[0]) for b in parts_r])
+    key = (id(local), id(remote), *[id(a[0]) for a in parts_l + parts_r])
     pair = cache.get(key)
     if pair is None:
         for (ls, _), (rs, _) in zip(parts_l, parts_r):
@@ -350,43 +388,54 @@ def outer_pairs(local: AffineList, lo: OuterIds, remote: AffineList, ro: OuterId
                 break
         else:
             return None if got[1] is None else OuterPairs(pair, lo, ro, got[1])
-    answer = _answer(pair, parts_l, parts_r, lo.size)
+    answer = _answer(pair, parts_l, parts_r, lo.size, lo.ranges, ro.ranges)
     if lo.frozen and ro.frozen:  # remembered (the entry keeps the columns: ids stay theirs)
         _RESULTS[pair.shape] = (cols, answer)
     return None if answer is None else OuterPairs(pair, lo, ro, answer)
 
 
 def _answer(pair: _Pair, parts_l: tuple[tuple[np.ndarray, np.ndarray], ...],
-            parts_r: tuple[tuple[np.ndarray, np.ndarray], ...], size: int) -> _Answer | None:
+            parts_r: tuple[tuple[np.ndarray, np.ndarray], ...], size: int,
+            lo_ranges: "tuple[bool, ...] | None" = None,
+            ro_ranges: "tuple[bool, ...] | None" = None) -> _Answer | None:
     """The checks and counts of :func:`outer_pairs` for one pair and columns (None: the
-    structure does not settle them)."""
+    structure does not settle them). ``lo_ranges`` / ``ro_ranges``: OuterIds.ranges."""
     if not pair.equal:
         return None
     nbytes = within = 0
     ends = []
-    for (_, lc), (_, rc), a, b, cb, classes in zip(parts_l, parts_r, pair.local, pair.remote,
-                                                   pair.col_bytes, pair.joins):
+    ranges_l, ranges_r = lo_ranges or (), ro_ranges or ()
+    for p, ((_, lc), (_, rc), a, b, cb, classes) in enumerate(zip(
+            parts_l, parts_r, pair.local, pair.remote, pair.col_bytes, pair.joins)):
         k = lc.size
         if k != rc.size or not (a.plain and b.plain):
             return None
-        lmin, lmax, l0, ll = _col_stats(lc)
-        rmin, rmax, r0, rl = _col_stats(rc)
+        # columns known to be consecutive ids (OuterIds.ranges) are not read: first + k - 1
+        l_range = p < len(ranges_l) and ranges_l[p]
+        r_range = p < len(ranges_r) and ranges_r[p]
+        if l_range:
+            lmin = l0 = lc.item(0)
+            lmax = ll = l0 + k - 1
+        else:
+            lmin, lmax, l0, ll = _col_stats(lc)
+        if r_range:
+            rmin = r0 = rc.item(0)
+            rmax = rl = r0 + k - 1
+        else:
+            rmin, rmax, r0, rl = _col_stats(rc)
         if not (a.col_lo <= lmin and lmax <= a.col_hi and b.col_lo <= rmin and rmax <= b.col_hi):
             return None
         if k > 1:
-            within += _joins(lc, rc, classes)
+            if l_range and r_range:  # every step is 1 on both sides (see _joins)
+                within += (k - 1) * sum([m for m, ls, ln, rs, rn in classes
+                                         if ls == ln and rs == rn])
+            else:
+                within += _joins(lc, rc, classes)
         nbytes += cb * k
         ends.append((l0, ll, r0, rl))
+    # joins between rows: a row's last descriptor and the next row's first (see _boundaries)
     between = 0
-    if pair.l_at0.size > 1:  # joins between rows: a row's last descriptor, the next's first
-        if len(ends) == 1:
-            fl, la, fr, lr = ends[0]
-        else:
-            per_row = np.array(ends, dtype=np.int64)[pair.row_part]
-            fl, la, fr, lr = per_row[:, 0], per_row[:, 1], per_row[:, 2], per_row[:, 3]
-        tail_l = pair.l_end0 + la * pair.l_stride
-        tail_r = pair.r_end0 + lr * pair.r_stride
-        head_l = pair.l_at0 + fl * pair.l_stride
-        head_r = pair.r_at0 + fr * pair.r_stride
-        between = int(np.count_nonzero((head_l[1:] == tail_l[:-1]) & (head_r[1:] == tail_r[:-1])))
+    for p0, p1, ls0, ls1, rs0, rs1, gaps in pair.boundaries:
+        between += gaps.get((ends[p0][1] * ls0 - ends[p1][0] * ls1,
+                             ends[p0][3] * rs0 - ends[p1][2] * rs1), 0)
     return _Answer(nbytes, size - within - between)
