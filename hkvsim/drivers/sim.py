@@ -63,6 +63,23 @@ def fewer_collections() -> Iterator[None]:
         gc.set_threshold(*old)
 
 
+@contextlib.contextmanager
+def setup_frozen() -> Iterator[None]:
+    """Keep every object alive on entry out of the cyclic collector's scans inside the block
+    (``gc.freeze``; back to the oldest generation after it). A run creates all its requests
+    (records, flows, their first timers) when it starts and keeps them to its end: without
+    this, every collection of the oldest generation re-scans them and whatever setup built.
+    Left alone when something else has frozen objects (their permanent generation is theirs)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 class SimDriver:
     """Runs one scenario on the simulated fabric."""
 
@@ -145,7 +162,8 @@ class SimDriver:
                 self.env.process(self._kill_at(at, agent))
         with fewer_collections():
             self._deliver(lambda: self.coord.start(self.env.now))
-            self.env.run()
+            with setup_frozen():
+                self.env.run()
         return self._result()
 
     def _kill_at(self, at: float, agent: str) -> Any:
@@ -293,19 +311,21 @@ class SimDriver:
         in a block freed, maybe reused, since). Returns True when something was flagged."""
         if owner is None:
             return False
-        rank = self._agent_rank[agent]
-        engine = self.coord.engine(rank[0])
-        blocks = None if memo is None else memo.get("blocks")
-        if blocks is None:  # which blocks the runs touch is fixed; only their owners change
+        if memo is not None and "blocks" in memo:  # landing: the blocks derived at posting
+            blocks, outside, engine = memo["blocks"], memo["outside"], memo["engine"]
+            if not outside and not (engine.pool.owner[blocks] != owner).any():
+                return False  # the common case: every block touched belongs to the request
+        else:
+            rank = self._agent_rank[agent]
+            engine = self.coord.engine(rank[0])
+            # which blocks the runs touch is fixed; only their owners change
             blocks, outside = self._touched(
                 rank, engine.layout, addrs, lengths, None if memo is None else memo.get("runs"),
                 None if memo is None else memo.get("extents"))
             if memo is not None:
-                memo["blocks"], memo["outside"] = blocks, outside
-        else:
-            outside = memo["outside"]
-        if not outside and not (engine.pool.owner[blocks] != owner).any():
-            return False  # the common case: every block touched belongs to the request
+                memo["blocks"], memo["outside"], memo["engine"] = blocks, outside, engine
+            if not outside and not (engine.pool.owner[blocks] != owner).any():
+                return False  # the common case: every block touched belongs to the request
         owners = np.where(blocks == OUTSIDE_BLOCKS, OUTSIDE_BLOCKS - 1,
                           engine.pool.owner[np.maximum(blocks, 0)])
         bad = owners != owner
