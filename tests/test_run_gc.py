@@ -79,3 +79,16 @@ def test_unfrozen_when_the_run_raises() -> None:
         assert gc.get_freeze_count() > 0
         raise RuntimeError("boom")
     assert gc.get_freeze_count() == 0
+
+
+def test_survivors_of_young_collections_are_frozen_inside_the_block() -> None:
+    """Objects that survive a collection of the youngest generation during a run are frozen
+    (not re-scanned by later collections); the callback that does it is gone after the run."""
+    with sim.setup_frozen():
+        before = gc.get_freeze_count()
+        kept = [[i] for i in range(1000)]  # tracked objects that survive the collection
+        gc.collect(0)
+        assert gc.get_freeze_count() >= before + len(kept)
+        assert all(not any(o is x for x in gc.get_objects(0)) for o in kept[:3])
+    assert sim._freeze_survivors not in gc.callbacks
+    assert gc.get_freeze_count() == 0

@@ -63,20 +63,35 @@ def fewer_collections() -> Iterator[None]:
         gc.set_threshold(*old)
 
 
+def _freeze_survivors(phase: str, info: dict[str, Any]) -> None:
+    """gc callback: after a collection of the youngest generation, freeze its survivors."""
+    if phase == "stop" and info["generation"] == 0:
+        gc.freeze()
+
+
 @contextlib.contextmanager
 def setup_frozen() -> Iterator[None]:
-    """Keep every object alive on entry out of the cyclic collector's scans inside the block
-    (``gc.freeze``; back to the oldest generation after it). A run creates all its requests
-    (records, flows, their first timers) when it starts and keeps them to its end: without
-    this, every collection of the oldest generation re-scans them and whatever setup built.
-    Left alone when something else has frozen objects (their permanent generation is theirs)."""
+    """Keep objects out of the cyclic collector's scans once they have survived one, inside the
+    block: every object alive on entry, and the survivors of each collection of the youngest
+    generation, are frozen (``gc.freeze``; back to the oldest generation after the block).
+
+    A run creates all its requests when it starts and keeps every request's record, transfer
+    records and link log to its end (~60 tracked objects per request). Without this, each
+    collection of the middle generation re-scans every object that survived the youngest
+    one since the last: at 100,000 requests two such collections took 7.3 s of a 129 s run
+    (~4.8 M objects each). Frozen objects are still freed by reference counting; only cyclic
+    garbage among them (a request still in flight at a collection, whose flow's objects refer
+    to each other) waits for the unfreeze. Left alone when something else has frozen objects
+    (their permanent generation is theirs)."""
     if gc.get_freeze_count():
         yield
         return
     gc.freeze()
+    gc.callbacks.append(_freeze_survivors)
     try:
         yield
     finally:
+        gc.callbacks.remove(_freeze_survivors)
         gc.unfreeze()
 
 
