@@ -38,3 +38,57 @@ def test_thresholds_are_restored_when_the_run_raises() -> None:
         assert gc.get_threshold() == sim._RUN_GC_THRESHOLDS
         raise RuntimeError("boom")
     assert gc.get_threshold() == before
+
+
+def test_a_run_keeps_its_setup_out_of_collections_and_unfreezes_after(monkeypatch) -> None:
+    """Objects alive when the run's events start (its requests, made at start) are frozen
+    during the run -- the records among them -- and back in the collector's care after it."""
+    scenario = load_scenarios(ROOT / "scenarios" / "tp-matrix" / "tp-matrix-tiny.toml")[0]
+    seen = []
+    real_run = sim.simpy.Environment.run
+
+    def run(env, *a, **kw):
+        seen.append(gc.get_freeze_count())
+        return real_run(env, *a, **kw)
+
+    monkeypatch.setattr(sim.simpy.Environment, "run", run)
+    assert gc.get_freeze_count() == 0
+    driver = sim.SimDriver(scenario)
+    result = driver.run()
+    assert result.outcome == "ok"
+    assert seen and seen[0] >= len(driver.coord.records) > 0
+    assert gc.get_freeze_count() == 0
+    rec = result.records[0]
+    assert any(o is rec for o in gc.get_objects(2))  # the oldest generation has it back
+
+
+def test_an_earlier_freeze_is_left_alone() -> None:
+    """Something else froze objects: the run neither freezes more nor unfreezes theirs."""
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with sim.setup_frozen():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_unfrozen_when_the_run_raises() -> None:
+    with pytest.raises(RuntimeError), sim.setup_frozen():
+        assert gc.get_freeze_count() > 0
+        raise RuntimeError("boom")
+    assert gc.get_freeze_count() == 0
+
+
+def test_survivors_of_young_collections_are_frozen_inside_the_block() -> None:
+    """Objects that survive a collection of the youngest generation during a run are frozen
+    (not re-scanned by later collections); the callback that does it is gone after the run."""
+    with sim.setup_frozen():
+        before = gc.get_freeze_count()
+        kept = [[i] for i in range(1000)]  # tracked objects that survive the collection
+        gc.collect(0)
+        assert gc.get_freeze_count() >= before + len(kept)
+        assert all(not any(o is x for x in gc.get_objects(0)) for o in kept[:3])
+    assert sim._freeze_survivors not in gc.callbacks
+    assert gc.get_freeze_count() == 0

@@ -63,6 +63,38 @@ def fewer_collections() -> Iterator[None]:
         gc.set_threshold(*old)
 
 
+def _freeze_survivors(phase: str, info: dict[str, Any]) -> None:
+    """gc callback: after a collection of the youngest generation, freeze its survivors."""
+    if phase == "stop" and info["generation"] == 0:
+        gc.freeze()
+
+
+@contextlib.contextmanager
+def setup_frozen() -> Iterator[None]:
+    """Keep objects out of the cyclic collector's scans once they have survived one, inside the
+    block: every object alive on entry, and the survivors of each collection of the youngest
+    generation, are frozen (``gc.freeze``; back to the oldest generation after the block).
+
+    A run creates all its requests when it starts and keeps every request's record, transfer
+    records and link log to its end (~60 tracked objects per request). Without this, each
+    collection of the middle generation re-scans every object that survived the youngest
+    one since the last: at 100,000 requests two such collections took 7.3 s of a 129 s run
+    (~4.8 M objects each). Frozen objects are still freed by reference counting; only cyclic
+    garbage among them (a request still in flight at a collection, whose flow's objects refer
+    to each other) waits for the unfreeze. Left alone when something else has frozen objects
+    (their permanent generation is theirs)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    gc.callbacks.append(_freeze_survivors)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(_freeze_survivors)
+        gc.unfreeze()
+
+
 class SimDriver:
     """Runs one scenario on the simulated fabric."""
 
@@ -145,7 +177,8 @@ class SimDriver:
                 self.env.process(self._kill_at(at, agent))
         with fewer_collections():
             self._deliver(lambda: self.coord.start(self.env.now))
-            self.env.run()
+            with setup_frozen():
+                self.env.run()
         return self._result()
 
     def _kill_at(self, at: float, agent: str) -> Any:
@@ -293,19 +326,21 @@ class SimDriver:
         in a block freed, maybe reused, since). Returns True when something was flagged."""
         if owner is None:
             return False
-        rank = self._agent_rank[agent]
-        engine = self.coord.engine(rank[0])
-        blocks = None if memo is None else memo.get("blocks")
-        if blocks is None:  # which blocks the runs touch is fixed; only their owners change
+        if memo is not None and "blocks" in memo:  # landing: the blocks derived at posting
+            blocks, outside, engine = memo["blocks"], memo["outside"], memo["engine"]
+            if not outside and not (engine.pool.owner[blocks] != owner).any():
+                return False  # the common case: every block touched belongs to the request
+        else:
+            rank = self._agent_rank[agent]
+            engine = self.coord.engine(rank[0])
+            # which blocks the runs touch is fixed; only their owners change
             blocks, outside = self._touched(
                 rank, engine.layout, addrs, lengths, None if memo is None else memo.get("runs"),
                 None if memo is None else memo.get("extents"))
             if memo is not None:
-                memo["blocks"], memo["outside"] = blocks, outside
-        else:
-            outside = memo["outside"]
-        if not outside and not (engine.pool.owner[blocks] != owner).any():
-            return False  # the common case: every block touched belongs to the request
+                memo["blocks"], memo["outside"], memo["engine"] = blocks, outside, engine
+            if not outside and not (engine.pool.owner[blocks] != owner).any():
+                return False  # the common case: every block touched belongs to the request
         owners = np.where(blocks == OUTSIDE_BLOCKS, OUTSIDE_BLOCKS - 1,
                           engine.pool.owner[np.maximum(blocks, 0)])
         bad = owners != owner

@@ -54,8 +54,7 @@ import math
 import operator
 from collections import deque
 from collections.abc import Callable, Generator, Hashable, Mapping
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import simpy
 from simpy.core import NORMAL
@@ -79,13 +78,15 @@ class FabricError(ValueError):
     """A transfer, notification or handshake the fabric cannot route or accept."""
 
 
-@dataclass(frozen=True, slots=True)
-class TransferTiming:
+class TransferTiming(NamedTuple):
     """When each phase of one transfer happened, in simulated seconds.
 
     ``post_start - submitted`` is the wait for the initiator's posting thread; ``post_end -
     post_start`` the posting cost; ``wire_end - wire_start`` the (shared) wire time; ``done -
     wire_end`` the path latency.
+
+    An immutable named tuple (every transfer makes one and its record keeps it: a tuple is
+    several times cheaper to make than a frozen dataclass).
     """
 
     submitted: float
@@ -115,9 +116,10 @@ class TransferTiming:
         return self.done - self.submitted
 
 
-@dataclass(frozen=True, slots=True)
-class LinkSegment:
-    """A stretch of time during which ``link`` carried ``rate`` bytes/s over ``flows`` flows."""
+class LinkSegment(NamedTuple):
+    """A stretch of time during which ``link`` carried ``rate`` bytes/s over ``flows`` flows.
+
+    An immutable named tuple: a run logs ~20 per request and keeps them all."""
 
     link: str
     t_start: float
@@ -133,6 +135,11 @@ class LinkSegment:
     @property
     def nbytes(self) -> float:
         return self.rate * (self.t_end - self.t_start)
+
+
+# TransferTiming / LinkSegment from a tuple of all their fields in order, without the keyword
+# handling of their generated __new__ (the hot paths make one per transfer / link change)
+_new_tuple = tuple.__new__
 
 
 class _Link:
@@ -173,11 +180,9 @@ class _Flight:
         path latency."""
         done = self.done
         done._ok = True
-        done._value = TransferTiming(
-            submitted=self.submitted, post_start=self.post_start, post_end=self.post_end,
-            wire_start=self.post_end, wire_end=wire_end, done=wire_end + self.latency,
-            nbytes=self.nbytes, descriptors=self.descriptors,
-            path=self.path)
+        done._value = _new_tuple(TransferTiming, (
+            self.submitted, self.post_start, self.post_end, self.post_end, wire_end,
+            wire_end + self.latency, self.nbytes, self.descriptors, self.path))
         self.env.schedule(done, NORMAL, self.latency)
 
 
@@ -216,6 +221,11 @@ class Fabric:
                 raise FabricError(
                     f"placement[{key!r}] = {ep}: gpu index must be in 0..{profile.gpus_per_node - 1}"
                 )
+        # one Endpoint object per distinct endpoint (keys placed on the same GPU share it), so
+        # the plain path keys its posters by identity (hashing a dataclass costs a call)
+        interned: dict[Endpoint, Endpoint] = {}
+        self._placement = {key: interned.setdefault(ep, ep)
+                           for key, ep in self._placement.items()}
         self._links: dict[str, _Link] = {}
         self._groups: dict[tuple[_Link, ...], PathGroup] = {}
         self._active: dict[PathGroup, None] = {}  # groups with flows, in first-use order
@@ -224,8 +234,9 @@ class Fabric:
         self._posting: dict[Endpoint, simpy.Resource] = {}  # host path: each rank's thread
         # host path: when each rank last started an operation's posts
         self._op_posted_at: dict[Endpoint, float] = {}
-        # plain path: each busy poster's transfers waiting to post (a poster with none: free)
-        self._post_queue: dict[Endpoint, deque[_Flight]] = {}
+        # plain path: each busy poster's transfers waiting to post (a poster with none: free),
+        # by the id of its (interned) Endpoint
+        self._post_queue: dict[int, deque[_Flight]] = {}
         self._path_names: dict[tuple[_Link, ...], tuple[str, ...]] = {}
         self._cores: dict[int, simpy.Resource] = {}  # host path: each node's CPU cores
         self._coordinator: simpy.Resource | None = None  # the coordinator's thread
@@ -317,8 +328,10 @@ class Fabric:
         Returns an event that succeeds with a :class:`TransferTiming` once the data has fully
         arrived at ``dst``. ``nbytes == 0`` costs the post and the path latency only.
         """
-        n = _count("nbytes", nbytes)
-        d = _count("descriptors", descriptors)
+        # plain ints >= 0 (the common case) as they are; anything else through _count
+        n = nbytes if type(nbytes) is int and nbytes >= 0 else _count("nbytes", nbytes)
+        d = (descriptors if type(descriptors) is int and descriptors >= 0
+             else _count("descriptors", descriptors))
         if n > 0 and d == 0:
             raise FabricError(f"nbytes = {n} with descriptors = 0: bytes need a descriptor")
         poster = self.endpoint(initiator)
@@ -494,10 +507,10 @@ class Fabric:
         now = self.env.now
         flight = _Flight(self.env, links, self._path_of(links), latency, nbytes, descriptors,
                          now)
-        queue = self._post_queue.get(poster)
+        queue = self._post_queue.get(id(poster))
         if queue is None:  # the poster is free: the post starts now
-            self._post_queue[poster] = deque()
-            self._post(poster, flight)
+            self._post_queue[id(poster)] = deque()
+            self._post(id(poster), flight)
         else:
             queue.append(flight)
         return flight.done
@@ -509,8 +522,9 @@ class Fabric:
             path = self._path_names[links] = tuple(link.name for link in links)
         return path
 
-    def _post(self, poster: Endpoint, flight: "_Flight") -> None:
-        """Start ``flight``'s post now on its (free) poster: its end is one event."""
+    def _post(self, poster: int, flight: "_Flight") -> None:
+        """Start ``flight``'s post now on its (free) poster (the id of its Endpoint): its end
+        is one event."""
         env = self.env
         post_time = self.profile.post_time(flight.descriptors)
         flight.post_start = env.now
@@ -648,11 +662,9 @@ class Fabric:
             link = links[i]
             nflows, rate = loads[2 * i], loads[2 * i + 1]
             if link.seg_rate > 0 and now > link.seg_start:
-                self.link_log.append(
-                    LinkSegment(
-                        link.name, link.seg_start, now, link.seg_rate, link.capacity, link.seg_flows
-                    )
-                )
+                self.link_log.append(_new_tuple(LinkSegment, (
+                    link.name, link.seg_start, now, link.seg_rate, link.capacity,
+                    link.seg_flows)))
             link.seg_start, link.seg_rate, link.seg_flows = now, rate, nflows
 
     def _arm_timer(self) -> None:

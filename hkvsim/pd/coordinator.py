@@ -406,7 +406,11 @@ class Coordinator:
 
     # ---- internals: scheduling and calls ----------------------------------------------------
     def _run(self) -> None:
-        self.sched.run(until_blocked=lambda: bool(self._effects))
+        self.sched.run(until_blocked=self._blocked)
+
+    def _blocked(self) -> bool:
+        """Calls wait to be carried out: the driver must act before flows run on."""
+        return bool(self._effects)
 
     def _suffix(self) -> str:
         """A random request-id suffix (the proxy gives P and D different ones), seeded."""
@@ -426,6 +430,8 @@ class Coordinator:
 
     def _signal_activity(self) -> None:
         """Wake whatever waits for a transfer to end (recovery waits for its writers)."""
+        if not self._activity._waiters:  # nothing waits: the signal stays as it is
+            return
         old, self._activity = self._activity, self.sched.signal()
         old.succeed()
 
@@ -1143,6 +1149,8 @@ class Coordinator:
         self._free(decode, blocks)
 
     def _check_quarantine(self) -> None:
+        if not self._quarantine:
+            return
         for rid, q in list(self._quarantine.items()):
             if not self._writers_live(q.rec, q.decode, q.prefill, q.prefill_request_id):
                 del self._quarantine[rid]

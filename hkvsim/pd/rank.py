@@ -148,9 +148,15 @@ class RankExecutor:
         state, messages that arrived, handles released late (in that order). ``finished``: the
         transfer handles that reached a terminal state, when the transport tells (else every
         request in flight is checked)."""
-        events: list[RankEvent] = [Outcome(self.rank, o) for o in self.worker.poll(finished)]
-        events += [Message(self.rank, m) for m in self.worker.take_messages()]
-        events += [Released(self.rank, rid) for rid in self.worker.take_released()]
+        worker, rank = self.worker, self.rank
+        outcomes = worker.poll(finished)
+        messages = worker.take_messages()
+        released = worker.take_released()
+        events: list[RankEvent] = [Outcome(rank, o) for o in outcomes] if outcomes else []
+        if messages:
+            events += [Message(rank, m) for m in messages]
+        if released:
+            events += [Released(rank, rid) for rid in released]
         return events
 
     def busy(self) -> bool:

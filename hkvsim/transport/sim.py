@@ -54,6 +54,7 @@ from .memory import copy_ranges, lazy_buffer
 __all__ = ["SimWorld", "SimTransport"]
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
+_PREPPED_COALESCES = coalesces("prepped")  # NIXL coalesces prepared lists (fixed per version)
 _ADDRESS_SPACE = 1 << 44  # each agent's memory lives in its own synthetic 16 TiB window
 
 
@@ -147,8 +148,10 @@ class SimWorld:
         self._listeners.setdefault(agent, []).append(callback)
 
     def _wake(self, agent: str) -> None:
-        for callback in self._listeners.get(agent, ()):
-            callback()
+        listeners = self._listeners.get(agent)
+        if listeners:
+            for callback in listeners:
+                callback()
 
     def kill(self, name: str) -> None:
         """The agent's process dies: its peers' posts raise, in-flight transfers end in ERR."""
@@ -170,9 +173,9 @@ class SimWorld:
         delay = None
         if self.faults is not None:
             delay = self.faults.on_message(now=self.env.now, src=src, dst=dst, message=message)
-        if delay == float("inf"):
-            self.dropped_messages += 1
-            return
+            if delay == float("inf"):
+                self.dropped_messages += 1
+                return
         event = self.fabric.notify(self.agent(src).endpoint, self.agent(dst).endpoint)
         if delay:
             def later(_: Any, d: float = delay) -> None:
@@ -339,7 +342,15 @@ class SimTransport:
     def make_prepped_xfer(self, op: str, local_dlist: int, local_ids: np.ndarray, remote_dlist: int,
                           remote_ids: np.ndarray, notif: bytes = b"") -> int:
         check_op(op, owner=self.name)
-        local, remote = self._dlist(local_dlist, "local"), self._dlist(remote_dlist, "remote")
+        dlists = self._dlists
+        # the common case first: two known, live lists named by plain ints (else the checks
+        # and messages of live_list)
+        local = dlists.get(local_dlist) if type(local_dlist) is int else None
+        if local is None or local.released or local.stale is not None:
+            local = self._dlist(local_dlist, "local")
+        remote = dlists.get(remote_dlist) if type(remote_dlist) is int else None
+        if remote is None or remote.released or remote.stale is not None:
+            remote = self._dlist(remote_dlist, "remote")
         if local.agent != self.name:
             raise TransportError(f"{self.name}: invalid sides (local list belongs to {local.agent})")
         pairs = check_pairs(local.descs, local_ids, remote.descs, remote_ids,
@@ -347,9 +358,9 @@ class SimTransport:
                             outer_cache=self._outer_cache)
         li, ri = pairs.ids()
         handle = next(self._ids)
-        x = _Xfer(op=op, local=local, local_ids=li, remote=remote, remote_ids=ri,
-                  notif=bytes(notif), nbytes=pairs.nbytes, owner=self.world.post_owner,
-                  coalesced=pairs.coalesced() if coalesces("prepped") else int(li.size),
+        x = _Xfer(op, local, li, remote, ri, notif if type(notif) is bytes else bytes(notif),
+                  nbytes=pairs.nbytes, owner=self.world.post_owner,
+                  coalesced=pairs.coalesced() if _PREPPED_COALESCES else int(li.size),
                   handle=handle)
         if self.world.landing_guard is not None and li.size:  # derive it while runs are known
             side = "local" if op == "READ" else "remote"
@@ -405,13 +416,16 @@ class SimTransport:
         return x
 
     def transfer(self, handle: int) -> str:
-        x = self._xfer(handle)
+        x = self._xfers.get(handle) if type(handle) is int else None
+        if x is None or x.released:  # not a live handle: _xfer's checks and messages
+            x = self._xfer(handle)
         if x.state == PROC:
             raise TransportError(f"{self.name}: transfer handle {handle} is still active")
-        for side in (x.local, x.remote):
-            if side.stale is not None:
-                raise TransportError(f"{self.name}: transfer {handle} uses a stale descriptor "
-                                     f"list ({side.stale}); re-prepare it")
+        if x.local.stale is not None or x.remote.stale is not None:
+            for side in (x.local, x.remote):
+                if side.stale is not None:
+                    raise TransportError(f"{self.name}: transfer {handle} uses a stale "
+                                         f"descriptor list ({side.stale}); re-prepare it")
         remote_agent = self.world.agent(x.remote.agent)
         if not remote_agent.alive:
             raise TransportError(f"{self.name}: remote agent {x.remote.agent} disconnected",
@@ -467,11 +481,9 @@ class SimTransport:
 
     def _complete(self, x: _Xfer, timing: Any) -> None:
         x.timing = timing
-        if x.released:
+        if x.released or x.state != PROC:
             return
         me, remote = self.world.agent(self.name), self.world.agent(x.remote.agent)
-        if x.state != PROC:
-            return
         if not remote.alive or not me.alive:
             dead = remote.name if not remote.alive else me.name
             x.state, x.error, x.error_kind = ERR, f"agent {dead} disconnected", "remote_disconnect"
