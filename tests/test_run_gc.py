@@ -15,19 +15,27 @@ from hkvsim.scenario import load_scenarios
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_run_collects_less_often_and_restores_the_thresholds(monkeypatch) -> None:
+def _run_tiny(monkeypatch, probe):
+    """A tiny scenario's simulated run, with ``probe()`` recorded as its events start:
+    (driver, result, what probe returned)."""
     scenario = load_scenarios(ROOT / "scenarios" / "tp-matrix" / "tp-matrix-tiny.toml")[0]
     seen = []
     real_run = sim.simpy.Environment.run
 
     def run(env, *a, **kw):
-        seen.append(gc.get_threshold())
+        seen.append(probe())
         return real_run(env, *a, **kw)
 
     monkeypatch.setattr(sim.simpy.Environment, "run", run)
-    before = gc.get_threshold()
-    result = sim.SimDriver(scenario).run()
+    driver = sim.SimDriver(scenario)
+    result = driver.run()
     assert result.outcome == "ok"
+    return driver, result, seen
+
+
+def test_a_run_collects_less_often_and_restores_the_thresholds(monkeypatch) -> None:
+    before = gc.get_threshold()
+    _, _, seen = _run_tiny(monkeypatch, gc.get_threshold)
     assert seen == [sim._RUN_GC_THRESHOLDS] and seen[0][0] > before[0]
     assert gc.get_threshold() == before
 
@@ -43,19 +51,8 @@ def test_thresholds_are_restored_when_the_run_raises() -> None:
 def test_a_run_keeps_its_setup_out_of_collections_and_unfreezes_after(monkeypatch) -> None:
     """Objects alive when the run's events start (its requests, made at start) are frozen
     during the run -- the records among them -- and back in the collector's care after it."""
-    scenario = load_scenarios(ROOT / "scenarios" / "tp-matrix" / "tp-matrix-tiny.toml")[0]
-    seen = []
-    real_run = sim.simpy.Environment.run
-
-    def run(env, *a, **kw):
-        seen.append(gc.get_freeze_count())
-        return real_run(env, *a, **kw)
-
-    monkeypatch.setattr(sim.simpy.Environment, "run", run)
     assert gc.get_freeze_count() == 0
-    driver = sim.SimDriver(scenario)
-    result = driver.run()
-    assert result.outcome == "ok"
+    driver, result, seen = _run_tiny(monkeypatch, gc.get_freeze_count)
     assert seen and seen[0] >= len(driver.coord.records) > 0
     assert gc.get_freeze_count() == 0
     rec = result.records[0]
