@@ -89,3 +89,25 @@ def test_survivors_of_young_collections_are_frozen_inside_the_block() -> None:
         assert all(not any(o is x for x in gc.get_objects(0)) for o in kept[:3])
     assert sim._freeze_survivors not in gc.callbacks
     assert gc.get_freeze_count() == 0
+
+
+def test_the_runs_cyclic_garbage_is_collected_when_the_block_ends() -> None:
+    """A cycle that became garbage inside the block after surviving a young collection (so it
+    was frozen) is collected, its finalizer run, when the block ends -- not at some later
+    full collection of an unrelated caller."""
+    import weakref
+
+    class Node:
+        pass
+
+    gc.collect()
+    finalized = []
+    with sim.setup_frozen():
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a reference cycle: only the cyclic collector frees it
+        weakref.finalize(a, finalized.append, "a")
+        gc.collect(0)  # it survives a young collection (it is alive): frozen
+        assert gc.get_freeze_count() > 0
+        del a, b
+        assert finalized == []  # frozen garbage waits
+    assert finalized == ["a"]

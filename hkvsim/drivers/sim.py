@@ -81,8 +81,11 @@ def setup_frozen() -> Iterator[None]:
     one since the last: at 100,000 requests two such collections took 7.3 s of a 129 s run
     (~4.8 M objects each). Frozen objects are still freed by reference counting; only cyclic
     garbage among them (a request still in flight at a collection, whose flow's objects refer
-    to each other) waits for the unfreeze. Left alone when something else has frozen objects
-    (their permanent generation is theirs)."""
+    to each other) waits for the unfreeze, and is collected right then (one full collection at
+    the block's end: the run's garbage goes, with its finalizers, inside the run, not at
+    whatever later moment the next full collection would have come; an in-process vLLM worker's
+    ``__del__`` once ran that way inside an unrelated import). Left alone when something else
+    has frozen objects (their permanent generation is theirs)."""
     if gc.get_freeze_count():
         yield
         return
@@ -93,6 +96,7 @@ def setup_frozen() -> Iterator[None]:
     finally:
         gc.callbacks.remove(_freeze_survivors)
         gc.unfreeze()
+        gc.collect()
 
 
 class SimDriver:
