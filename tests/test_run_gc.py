@@ -51,6 +51,7 @@ def test_thresholds_are_restored_when_the_run_raises() -> None:
 def test_a_run_keeps_its_setup_out_of_collections_and_unfreezes_after(monkeypatch) -> None:
     """Objects alive when the run's events start (its requests, made at start) are frozen
     during the run -- the records among them -- and back in the collector's care after it."""
+    monkeypatch.setattr(sim, "FREEZE_FROM_REQUESTS", 1)
     assert gc.get_freeze_count() == 0
     driver, result, seen = _run_tiny(monkeypatch, gc.get_freeze_count)
     assert seen and seen[0] >= len(driver.coord.records) > 0
@@ -111,3 +112,11 @@ def test_the_runs_cyclic_garbage_is_collected_when_the_block_ends() -> None:
         del a, b
         assert finalized == []  # frozen garbage waits
     assert finalized == ["a"]
+
+
+def test_a_small_run_freezes_nothing(monkeypatch) -> None:
+    """Below FREEZE_FROM_REQUESTS requests a run leaves the collector as it is (no freeze, no
+    full collection at its end: in a large process that collection would dominate it)."""
+    driver, _, seen = _run_tiny(monkeypatch, gc.get_freeze_count)
+    assert 0 < len(driver.coord.records) < sim.FREEZE_FROM_REQUESTS
+    assert seen == [0]
