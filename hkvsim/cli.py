@@ -409,12 +409,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         load_nixl()
         results = validate(files, repeats=args.repeats, timing_only=args.timing_only,
+                           warm_up=args.warm_up,
                            progress=lambda text: print(f"validate: {text}", file=sys.stderr))
     except (ValidationError, NixlUnavailable) as exc:
         raise SelectionError(str(exc)) from None
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} CPU(s), {platform.platform()}, Python "
                        f"{platform.python_version()}", "repeats": args.repeats,
+            "warm_up": args.warm_up,
             "source": os.path.commonpath([str(f.parent) for f in files]) + "/",
             "timing_only": bool(args.timing_only)}
     if args.out:
@@ -646,6 +648,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--host: held-out scenario files (default: scenarios/validation/*.toml)")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="--host: real runs per file, interleaved (default: 3)")
+    p.add_argument("--warm-up", type=int, default=1, metavar="N",
+                   help="--host: passes over every FIT and every held-out file on real NIXL "
+                        "before the measured ones, left out of the fit and of the judgement "
+                        "(default: 1; the first runs after an idle spell are slow)")
     p.add_argument("--force", action="store_true",
                    help="fit even when the 1-minute load average exceeds the core count "
                         "(refused otherwise; the load is recorded either way)")
@@ -657,6 +663,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scenario files without [sweep] (default: scenarios/validation/*.toml)")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="real runs per file, interleaved across files (default: 3)")
+    p.add_argument("--warm-up", type=int, default=1, metavar="N",
+                   help="passes over every file on real NIXL before the measured ones, left "
+                        "out of every figure (default: 1; the first runs after an idle spell "
+                        "are slow)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write held-out-cpu.md and held-out-cpu.json there "
                         "(-timing-only.md/.json with --timing-only; e.g. reports/fidelity)")

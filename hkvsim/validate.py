@@ -3,7 +3,10 @@
 Each file (one scenario, no ``[sweep]``) runs once on the simulated fabric (deterministic) and
 ``repeats`` times on real NIXL (DRAM over UCX, one process per rank), the real runs interleaved
 across files (file 1, 2, ..., then again), so a slow minute of a loaded machine spreads over
-every file instead of landing on one. Per file it reports the steady-state mean per-request
+every file instead of landing on one. ``warm_up`` passes over every file run first and are left
+out of every figure (their times are kept apart): on the shared 2-core VM hkvsim is measured on,
+the first real runs after an idle spell took 1.3-3.5x as long as the same files a minute later
+(a calibration's first pass: 16.2 ms against a median of 4.9 ms on one file). Per file it reports the steady-state mean per-request
 transfer time (``hkvsim.results.transfer_span``; requests that ran a handshake, each run's
 first request, which pays UCX's wire-up, and requests that arrived or were in flight while
 either was alive are left out), simulated and real (median over the
@@ -67,6 +70,8 @@ class FileResult:
     # transfers they posted
     rank_cpu: dict[str, Any] = field(default_factory=dict)
     transfers: int = 0
+    # the warm-up passes' real runs (steady-state means, in run order): left out of every figure
+    warm_up_seconds: tuple[float, ...] = ()
 
     @property
     def real_median(self) -> float:
@@ -204,18 +209,22 @@ def with_profile(scenario: Any, profile: Path | None = None,
 
 def validate(files: Sequence[Path], *, repeats: int = 3,
              progress: Callable[[str], None] | None = None,
-             profile: Path | None = None, timing_only: bool = False) -> list[FileResult]:
+             profile: Path | None = None, timing_only: bool = False,
+             warm_up: int = 0) -> list[FileResult]:
     """Run every file on both backends (see the module docstring). ``profile``: simulate with
     this profile file instead of the one each scenario names (the real runs are unaffected).
     ``timing_only``: both backends move the bytes but run no oracle, so the real ranks spend no
     CPU on filling and checking pages while other requests' copies run (what a deployment does;
-    the default measures the verified runs)."""
+    the default measures the verified runs). ``warm_up``: passes over every file on real NIXL
+    before the measured ones, left out of every figure (``FileResult.warm_up_seconds``)."""
     from .drivers.nixl import run_scenario_nixl
     from .drivers.sim import run_scenario
     from .results import result_json
 
     if repeats < 1:
         raise ValidationError(f"--repeats {repeats}: expected an integer >= 1")
+    if warm_up < 0:
+        raise ValidationError(f"--warm-up {warm_up}: expected an integer >= 0")
     scenarios = _load(files)
     say = progress or (lambda _text: None)
     sims = []
@@ -223,6 +232,14 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
         sims.append(result_json(run_scenario(with_profile(s, profile), timing_only=timing_only),
                                 requests=True))
         say(f"sim {f.name}")
+    warm: list[list[float]] = [[] for _ in scenarios]
+    for rep in range(warm_up):
+        for i, (f, s) in enumerate(zip(files, scenarios)):
+            data = result_json(run_scenario_nixl(s, timing_only=timing_only), requests=True)
+            t = steady_transfer_mean(data)
+            if t is not None:
+                warm[i].append(float(t))
+            say(f"nixl {f.name} (warm-up {rep + 1}/{warm_up}, left out)")
     reals: list[list[dict[str, Any]]] = [[] for _ in scenarios]
     loads: list[list[float]] = [[] for _ in scenarios]
     for rep in range(repeats):
@@ -232,7 +249,7 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
                                         requests=True))
             say(f"nixl {f.name} ({rep + 1}/{repeats})")
     out = []
-    for f, s, sim, real, load in zip(files, scenarios, sims, reals, loads):
+    for f, s, sim, real, load, warm_t in zip(files, scenarios, sims, reals, loads, warm):
         sim_t = steady_transfer_mean(sim)
         real_t = [steady_transfer_mean(r) for r in real]
         bad = [d["outcome"] for d in [sim, *real] if d["outcome"] != "ok"]
@@ -265,7 +282,8 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
             verified=verified.pop(),
             rank_cpu=merge_rank_cpu([r["rank_cpu"] for r in real if r.get("rank_cpu")]),
             transfers=sum(len(q.get("telemetry") or []) for r in real
-                          for q in r.get("request_details") or [])))
+                          for q in r.get("request_details") or []),
+            warm_up_seconds=tuple(warm_t)))
     return out
 
 
@@ -327,6 +345,13 @@ def _coalescing_sentence(results: Sequence[FileResult], s: dict[str, Any]) -> st
             f"posted, {verdict} NIXL's telemetry ({checked:,} transfers checked).")
 
 
+def _warm_up_clause(passes: int) -> str:
+    if not passes:
+        return ""
+    return (f", after {passes} warm-up pass{'es' if passes > 1 else ''} over every file whose "
+            "runs are left out (their times are in the JSON)")
+
+
 def markdown(results: Sequence[FileResult], meta: dict[str, Any]) -> str:
     s = summary(results)
     rows = []
@@ -345,7 +370,8 @@ def markdown(results: Sequence[FileResult], meta: dict[str, Any]) -> str:
         f"(`{meta.get('source', 'scenarios/validation/')}`), each run once on the simulator "
         "with the shipped "
         f"profile and {meta.get('repeats', '?')} times on real NIXL (DRAM over UCX, one "
-        "process per rank), real runs interleaved across files. "
+        "process per rank), real runs interleaved across files"
+        f"{_warm_up_clause(meta.get('warm_up', 0))}. "
         f"{_oracle_sentence(results)} Time = steady-state mean "
         "per-request transfer time (first post to transfer done; each run's first request, "
         "requests that ran a handshake and requests that arrived or were in flight meanwhile left "

@@ -35,8 +35,8 @@ Procedure (nothing here looks at the held-out files until the constants are fixe
    fit is refused (a loaded machine measures the other load, not the copy path) unless
    ``force``, and the load stays in the report either way.
 2. Every FIT file runs ``repeats`` times on real NIXL, interleaved across files
-   (:func:`hkvsim.validate.validate`); per file the median of the runs' steady-state means is
-   the target, their spread is reported.
+   (:func:`hkvsim.validate.validate`), after ``warm_up`` passes that are left out; per file the
+   median of the runs' steady-state means is the target, their spread is reported.
 3. Every FIT file is simulated at every point of a grid of (per-core rate, completion notice),
    with the measured constants;
    the point with the smallest mean |log(simulated / real)| over the FIT files wins (an L1 fit in
@@ -416,7 +416,8 @@ def host_block(fit: HostFit, meta: dict[str, Any]) -> str:
     return f"""
 {_BLOCK_START}, {meta['when']}; do not edit by hand) ----
 # Fitted on the FIT set {meta['fit_source']} ({meta['fit_files']} files x {meta['repeats']} real
-# runs, interleaved; load average {meta['load_min']:.1f}-{meta['load_max']:.1f} on {fit.cores} core(s)
+# runs, interleaved, after {meta.get('warm_up', 0)} warm-up pass(es) left out; load average
+# {meta['load_min']:.1f}-{meta['load_max']:.1f} on {fit.cores} core(s)
 # during the fit{', started above the core count with --force' if meta['forced'] else ''}),
 # judged on the held-out set {meta['held_out_source']}: median |error| {meta['held_out_median']}, worst
 # {meta['held_out_worst']} (bounds {100 * ACCEPT_MEDIAN:.0f} % / {100 * ACCEPT_WORST:.0f} %). See reports/calibration/host-path.md.
@@ -478,7 +479,7 @@ def _table(rows: list[tuple[str, float, FileResult]]) -> list[str]:
 
 def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
                    profile_in: Path, profile_out: Path | None, report_dir: Path | None,
-                   repeats: int = 3, force: bool = False,
+                   repeats: int = 3, force: bool = False, warm_up: int = 0,
                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Steps 1-4 of the module docstring. Returns a summary; ``profile_written`` is None when
     the held-out bounds were not met (``refused`` then says why, per file)."""
@@ -494,7 +495,8 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
     say(f"load average {load0:.2f} on {cores} core(s)")
     coord_us = round(measure_coordinator_message() * 1e6, 1)
     say(f"coordinator message {coord_us} us")
-    fit_real = validate(fit_files, repeats=repeats, progress=say, profile=profile_in)
+    fit_real = validate(fit_files, repeats=repeats, progress=say, profile=profile_in,
+                        warm_up=warm_up)
     cpu = measured_cpu(fit_real, [s.connector.descriptor_merge != "off" for s in fit_scen])
     say(f"measured in the FIT runs: dispatch {cpu['rank_dispatch_us']} us per post + "
         f"{cpu['rank_op_dispatch_us']} us per operation ({cpu['rank_dispatch_unprepped_us']} + "
@@ -513,14 +515,15 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
     loads = [x for r in fit_real for x in r.loads] + [load0]
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "fit_source": _source(fit_files), "held_out_source": _source(held_out_files),
-            "fit_files": len(fit_files), "repeats": repeats,
+            "fit_files": len(fit_files), "repeats": repeats, "warm_up": warm_up,
             "load_min": min(loads), "load_max": max(loads), "loaded": max(loads) > cores,
             "load_start": load0, "forced": load0 > cores,
             "held_out_median": "?", "held_out_worst": "?"}
     with tempfile.TemporaryDirectory() as tmp:
         trial = Path(tmp) / "candidate.toml"
         trial.write_text(replace_host_block(Path(profile_in).read_text(), host_block(fit, meta)))
-        held = validate(held_out_files, repeats=repeats, progress=say, profile=trial)
+        held = validate(held_out_files, repeats=repeats, progress=say, profile=trial,
+                        warm_up=warm_up)
     s = summary(held)
     meta["held_out_median"] = f"{100 * s['median_abs_error']:.0f} %"
     meta["held_out_worst"] = f"{100 * s['worst_abs_error']:.0f} %"
@@ -611,6 +614,10 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
         "operations x oracle_op_us + bytes / oracle_core_gbps) |",
         f"| coordinator_message_us | {fit['coordinator_message_us']} | measured: 64-byte pipe "
         "ping-pong / 2, median of 200 |",
+        "",
+        f"Each file ran {meta['repeats']} times on real NIXL, interleaved across the files of "
+        f"its set, after {meta.get('warm_up', 0)} warm-up pass(es) over the set whose runs are "
+        "left out (the first runs after an idle spell are slow).",
         "",
         f"## FIT set ({meta['fit_source']}), in sample",
         "",

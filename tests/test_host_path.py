@@ -222,10 +222,12 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
     fit_files = sorted((ROOT / "scenarios/fit").glob("*.toml"))[:2]
     held_files = sorted((ROOT / "scenarios/validation").glob("*.toml"))[:3]
     seen: list[Path | None] = []
+    warm_ups: list[int] = []
 
     def fake_validate(files: list[Path], *, repeats: int, progress: Any,
-                      profile: Path | None) -> list[FileResult]:
+                      profile: Path | None, warm_up: int) -> list[FileResult]:
         seen.append(profile)
+        warm_ups.append(warm_up)
         if files == fit_files:  # the FIT runs: sim on the input profile, real = 1 ms
             return [_result(str(f), 0.5e-3, 1e-3) for f in files]
         text = Path(profile).read_text()  # the candidate carries the fitted constants
@@ -249,8 +251,9 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
     out = tmp_path / "out.toml"
     result = vf.calibrate_host(fit_files, held_files, profile_in=ROOT / "hkvsim/fabric/"
                                "profiles/cpu-ucx-loopback.toml", profile_out=out,
-                               report_dir=tmp_path / "rep", repeats=3)
+                               report_dir=tmp_path / "rep", repeats=3, warm_up=2)
     assert result["accepted"] is accepted
+    assert warm_ups == [2, 2]  # the FIT runs and the held-out runs each start with 2 passes
     assert out.exists() is accepted
     report = (tmp_path / "rep/host-path.md").read_text()
     if accepted:

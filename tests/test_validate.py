@@ -13,6 +13,7 @@ from hkvsim.validate import (FileResult, ValidationError, coalescing_model_check
                              write_outputs)
 
 pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _req(index: int, seconds: float | None, handshake: float = 0.0, status: str = "ok",
@@ -161,3 +162,33 @@ def test_reports_show_paths_inside_the_working_directory_relative(tmp_path: Path
     assert shown_path(outside) == str(outside)
     assert _shown_profile(outside) == "candidate.toml (a file outside the working directory)"
     assert _shown_profile(inside) == "scenarios/x.toml"
+
+
+def test_warm_up_passes_run_first_and_stay_out_of_every_figure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import hkvsim.drivers.nixl as dn
+    import hkvsim.drivers.sim as ds
+    import hkvsim.results as res
+
+    files = [ROOT / "scenarios" / "validation" / "llama-pull-1to1-strided.toml",
+             ROOT / "scenarios" / "validation" / "kl-pull-1to2-off.toml"]
+    # real runs in call order: two warm-up passes (slow, 50-80 ms), then two measured passes
+    real_ms = iter([50.0, 60.0, 70.0, 80.0, 1.0, 2.0, 3.0, 4.0])
+    monkeypatch.setattr(ds, "run_scenario", lambda s, timing_only=False: 5.0)
+    monkeypatch.setattr(dn, "run_scenario_nixl", lambda s, timing_only=False: next(real_ms))
+
+    def fake_json(ms: float, requests: bool) -> dict:
+        # the run's first request is never steady; the second carries the run's time
+        return {"outcome": "ok", "verified": True, "rank_cpu": {},
+                "requests": {"descriptors_posted": 1, "descriptors_coalesced": 1},
+                "request_details": [_req(0, 1.0), _req(1, ms * 1e-3)]}
+
+    monkeypatch.setattr(res, "result_json", fake_json)
+    a, b = validate(files, repeats=2, warm_up=2)
+    assert a.real_seconds == pytest.approx((1e-3, 3e-3))  # measured passes only
+    assert b.real_seconds == pytest.approx((2e-3, 4e-3))
+    assert a.warm_up_seconds == pytest.approx((50e-3, 70e-3))  # kept apart, in run order
+    assert b.warm_up_seconds == pytest.approx((60e-3, 80e-3))
+    assert len(a.loads) == 2 and a.real_median == pytest.approx(2e-3)
+    with pytest.raises(ValidationError, match="--warm-up -1: expected an integer >= 0"):
+        validate(files, warm_up=-1)

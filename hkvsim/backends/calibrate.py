@@ -724,12 +724,16 @@ def _run_host_cli(args: Any) -> int:
         print(f"hkvsim: error: --repeats {args.repeats}: expected an integer >= 1",
               file=sys.stderr)
         return 2
+    if args.warm_up < 0:
+        print(f"hkvsim: error: --warm-up {args.warm_up}: expected an integer >= 0",
+              file=sys.stderr)
+        return 2
     profile_out = Path(args.profile_out) if args.profile_out else DEFAULT_PROFILE
     try:
         result = calibrate_host(
             fit_files, held, profile_in=DEFAULT_PROFILE, profile_out=profile_out,
             report_dir=Path(args.report_dir) if args.report_dir else None,
-            repeats=args.repeats, force=bool(args.force),
+            repeats=args.repeats, force=bool(args.force), warm_up=args.warm_up,
             progress=lambda text: print(f"calibrate: {text}", file=sys.stderr))
     except (LoadError, ValidationError) as exc:
         print(f"hkvsim: error: {exc}", file=sys.stderr)
