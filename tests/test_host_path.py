@@ -256,6 +256,7 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
     assert warm_ups == [2, 2]  # the FIT runs and the held-out runs each start with 2 passes
     assert out.exists() is accepted
     report = (tmp_path / "rep/host-path.md").read_text()
+    assert "after 2 warm-up pass(es) over the set whose runs are left out" in report
     if accepted:
         written = load_profile(out)
         assert written.host_cores == 2 and written.oracle_core_bandwidth == pytest.approx(4e9)

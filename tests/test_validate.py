@@ -190,5 +190,7 @@ def test_warm_up_passes_run_first_and_stay_out_of_every_figure(
     assert a.warm_up_seconds == pytest.approx((50e-3, 70e-3))  # kept apart, in run order
     assert b.warm_up_seconds == pytest.approx((60e-3, 80e-3))
     assert len(a.loads) == 2 and a.real_median == pytest.approx(2e-3)
+    text = markdown([a, b], {"repeats": 2, "warm_up": 2})
+    assert "after 2 warm-up passes over every file whose runs are left out" in text
     with pytest.raises(ValidationError, match="--warm-up -1: expected an integer >= 0"):
         validate(files, warm_up=-1)
