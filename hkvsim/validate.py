@@ -34,7 +34,8 @@ from typing import Any
 
 from .pd.cpu import merge_rank_cpu
 
-__all__ = ["ValidationError", "FileResult", "coalescing_model_check", "steady_requests",
+__all__ = ["ValidationError", "FileResult", "coalescing_model_check", "host_cpu_drift",
+           "steady_requests",
            "steady_transfer_mean", "validate", "with_profile", "write_outputs", "ACCEPT_MEDIAN",
            "ACCEPT_WORST"]
 
@@ -72,6 +73,9 @@ class FileResult:
     transfers: int = 0
     # the warm-up passes' real runs (steady-state means, in run order): left out of every figure
     warm_up_seconds: tuple[float, ...] = ()
+    # the simulated profile's coordinator CPU per call (us; 0: not modelled), measured when it
+    # was calibrated: set against the real runs' own figure, it tells how fast the host ran
+    profile_coordinator_call_us: float = 0.0
 
     @property
     def real_median(self) -> float:
@@ -219,6 +223,7 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
     before the measured ones, left out of every figure (``FileResult.warm_up_seconds``)."""
     from .drivers.nixl import run_scenario_nixl
     from .drivers.sim import run_scenario
+    from .fabric.profile import load_profile
     from .results import result_json
 
     if repeats < 1:
@@ -227,9 +232,13 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
         raise ValidationError(f"--warm-up {warm_up}: expected an integer >= 0")
     scenarios = _load(files)
     say = progress or (lambda _text: None)
-    sims = []
+    sims, call_us = [], []
     for f, s in zip(files, scenarios):
-        sims.append(result_json(run_scenario(with_profile(s, profile), timing_only=timing_only),
+        simulated = with_profile(s, profile)
+        call_us.append(load_profile(simulated.fabric.profile,
+                                    overrides=dict(simulated.fabric.overrides)
+                                    ).coordinator_call * 1e6)
+        sims.append(result_json(run_scenario(simulated, timing_only=timing_only),
                                 requests=True))
         say(f"sim {f.name}")
     warm: list[list[float]] = [[] for _ in scenarios]
@@ -249,7 +258,8 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
                                         requests=True))
             say(f"nixl {f.name} ({rep + 1}/{repeats})")
     out = []
-    for f, s, sim, real, load, warm_t in zip(files, scenarios, sims, reals, loads, warm):
+    for f, s, sim, real, load, warm_t, call in zip(files, scenarios, sims, reals, loads, warm,
+                                                   call_us):
         sim_t = steady_transfer_mean(sim)
         real_t = [steady_transfer_mean(r) for r in real]
         bad = [d["outcome"] for d in [sim, *real] if d["outcome"] != "ok"]
@@ -283,8 +293,34 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
             rank_cpu=merge_rank_cpu([r["rank_cpu"] for r in real if r.get("rank_cpu")]),
             transfers=sum(len(q.get("telemetry") or []) for r in real
                           for q in r.get("request_details") or []),
-            warm_up_seconds=tuple(warm_t)))
+            warm_up_seconds=tuple(warm_t), profile_coordinator_call_us=float(call)))
     return out
+
+
+#: Host CPU per coordinator call this many times the profile's (or its inverse) is flagged.
+HOST_DRIFT_FLAG = 1.5
+
+
+def host_cpu_drift(results: Sequence[FileResult]) -> dict[str, float] | None:
+    """How fast the host ran during the real runs against when the simulated profile was
+    calibrated: the real coordinator's CPU per call it sent a rank (every real run of every
+    file), the profile's ``coordinator_call_us`` (measured the same way in its calibration's
+    FIT runs) and their ratio. The coordinator's work per call is the same in every scenario,
+    so the ratio follows the host's speed: 1.0 in the calibration that wrote the shipped
+    profile (215 us per call on its held-out runs against 219 us on its FIT runs), 2.0-3.1 in
+    validations hours later whose errors were 2-3 times as large. None when the profile models
+    no coordinator CPU or no real run counted any."""
+    calls = sum(int((r.rank_cpu.get("coordinator") or {}).get("calls", 0)) for r in results)
+    cpu = sum(float((r.rank_cpu.get("coordinator") or {}).get("cpu_seconds", 0.0))
+              for r in results)
+    profiled = [r.profile_coordinator_call_us for r in results if r.profile_coordinator_call_us]
+    if not calls or cpu <= 0 or not profiled:
+        return None
+    real_us = cpu / calls * 1e6
+    profile_us = float(statistics.median(profiled))
+    return {"real_coordinator_call_us": round(real_us, 1),
+            "profile_coordinator_call_us": round(profile_us, 1),
+            "ratio": round(real_us / profile_us, 2)}
 
 
 def summary(results: Sequence[FileResult]) -> dict[str, Any]:
@@ -302,7 +338,8 @@ def summary(results: Sequence[FileResult]) -> dict[str, Any]:
             "coalesced_agree": all(r.descriptors_coalesced[0] == r.descriptors_coalesced[1]
                                    for r in results),
             "coalescing_model_checked": sum(r.coalescing_model[0] for r in results),
-            "coalescing_model_mismatches": sum(r.coalescing_model[1] for r in results)}
+            "coalescing_model_mismatches": sum(r.coalescing_model[1] for r in results),
+            "host_cpu_drift": host_cpu_drift(results)}
 
 
 def _ms(seconds: float) -> str:
@@ -343,6 +380,22 @@ def _coalescing_sentence(results: Sequence[FileResult], s: dict[str, Any]) -> st
     verdict = "agrees with" if not bad else f"DISAGREES on {bad:,} transfers with"
     return (f"{totals} hkvsim's coalescing model, applied to the descriptor lists the real ranks "
             f"posted, {verdict} NIXL's telemetry ({checked:,} transfers checked).")
+
+
+def _drift_sentence(drift: dict[str, float] | None) -> str:
+    if drift is None:
+        return ("The host's speed against the profile's calibration is unknown (the profile "
+                "models no coordinator CPU, or no real run counted it).")
+    ratio = drift["ratio"]
+    said = (f"The real coordinator spent {drift['real_coordinator_call_us']:g} us of CPU per call "
+            f"it sent a rank, {ratio:.2f}x the {drift['profile_coordinator_call_us']:g} us the "
+            "profile's calibration measured for the same work")
+    if ratio > HOST_DRIFT_FLAG or ratio < 1 / HOST_DRIFT_FLAG:
+        pace = "slower" if ratio > 1 else "faster"
+        return (f"{said}: **the host ran {pace} than when the profile was calibrated**, so the "
+                "errors above measure that drift as well as the model (recalibrate with "
+                "`hkvsim calibrate --host` to judge the model on this host as it runs now).")
+    return f"{said}: the host ran at about its calibration's speed."
 
 
 def _warm_up_clause(passes: int) -> str:
@@ -387,7 +440,8 @@ def markdown(results: Sequence[FileResult], meta: dict[str, Any]) -> str:
         f" (acceptance: median <= {100 * ACCEPT_MEDIAN:.0f} %, worst <= "
         f"{100 * ACCEPT_WORST:.0f} %: **{verdict}**). {_coalescing_sentence(results, s)} "
         f"{s['loaded_runs']} of {s['real_runs']} real runs started "
-        f"with a 1-minute load average above the {s['cores']} core(s).", "",
+        f"with a 1-minute load average above the {s['cores']} core(s). "
+        f"{_drift_sentence(s['host_cpu_drift'])}", "",
         "The last column is the part of a request's transfer time that the posting and "
         "transfer times of its critical transfer (NIXL telemetry on the real backend) do not "
         "cover: on the simulator the notification (push) or path latency; on the real backend "

@@ -190,7 +190,33 @@ def test_warm_up_passes_run_first_and_stay_out_of_every_figure(
     assert a.warm_up_seconds == pytest.approx((50e-3, 70e-3))  # kept apart, in run order
     assert b.warm_up_seconds == pytest.approx((60e-3, 80e-3))
     assert len(a.loads) == 2 and a.real_median == pytest.approx(2e-3)
+    # the simulated profile's coordinator CPU per call, read from the shipped profile
+    assert a.profile_coordinator_call_us == pytest.approx(219.4)
     text = markdown([a, b], {"repeats": 2, "warm_up": 2})
     assert "after 2 warm-up passes over every file whose runs are left out" in text
     with pytest.raises(ValidationError, match="--warm-up -1: expected an integer >= 0"):
         validate(files, warm_up=-1)
+
+
+def _with_coordinator(r: FileResult, calls: int, cpu: float, profile_us: float) -> FileResult:
+    return FileResult(**{**r.__dict__, "profile_coordinator_call_us": profile_us,
+                         "rank_cpu": {"coordinator": {"calls": calls, "cpu_seconds": cpu}}})
+
+
+def test_host_cpu_drift_compares_the_real_coordinator_with_the_profiles() -> None:
+    base = _result(1.0, (1.0,))
+    # 300 + 100 calls in 0.2 s of CPU: 500 us per call, against a profile's 200 us
+    slow = [_with_coordinator(base, 300, 0.12, 200.0), _with_coordinator(base, 100, 0.08, 200.0)]
+    drift = summary(slow)["host_cpu_drift"]
+    assert drift == {"real_coordinator_call_us": 500.0, "profile_coordinator_call_us": 200.0,
+                     "ratio": 2.5}
+    text = markdown(slow, {})
+    assert "2.50x the 200 us" in text and "the host ran slower than when the profile" in text
+    fast = [_with_coordinator(base, 100, 0.01, 200.0)]  # 100 us per call: 0.5x
+    assert "the host ran faster than when" in markdown(fast, {})
+    same = [_with_coordinator(base, 100, 0.024, 200.0)]  # 240 us: 1.2x, within 1.5x
+    assert "ran at about its calibration's speed" in markdown(same, {})
+    # a profile without coordinator CPU, or runs that counted none: unknown, never a ratio
+    assert summary([_with_coordinator(base, 100, 0.02, 0.0)])["host_cpu_drift"] is None
+    assert summary([_with_coordinator(base, 0, 0.0, 200.0)])["host_cpu_drift"] is None
+    assert "speed against the profile's calibration is unknown" in markdown([base], {})
