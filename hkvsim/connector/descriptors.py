@@ -88,6 +88,9 @@ class DescriptorList:
         OuterIds they are: the transport can check them from their structure. ``frozen``: the
         caller never modifies the arrays (see OuterIds). ``block_range``: the caller knows
         ``block_ids`` to be consecutive ids (OuterIds.ranges)."""
+        if block_ids is not None and slot_ids is not None:  # (the common case: both parts)
+            return OuterIds.of_two(self.region_starts, block_ids, self.subregion_starts,
+                                   slot_ids, frozen=frozen, first_range=block_range)
         parts = []
         ranges = []
         if block_ids is not None:

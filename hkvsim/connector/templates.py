@@ -43,8 +43,9 @@ MAX_IDS = 16384  # transfers with more ids are merged as they come (templates gr
 _MAX_BYTES = 8 << 20  # what all templates of a rank hold, keys included; cleared beyond
 _MAX_SEEN = 4096  # patterns remembered as seen (by hash: a collision only makes a template early)
 
-# the pattern of the last columns seen (frozen columns: a request's ranks share them)
-_LAST_PATTERN: "tuple[list[np.ndarray], tuple[Any, ...]] | None" = None
+# the pattern of the last columns seen (frozen columns: a request's ranks share them): the
+# parts of both OuterIds (their columns compared by identity) and the pattern
+_LAST_PATTERN: "tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]] | None" = None
 
 
 class _PairInfo:
@@ -91,7 +92,8 @@ class _Template:
     relative end; ``spans``: per part and side the pattern's lowest and highest column."""
 
     __slots__ = ("rows", "runs", "m", "rel", "coef", "which", "hulls", "spans", "devices",
-                 "coalescing", "info", "groups", "gidx", "hull_terms", "varying")
+                 "coalescing", "info", "groups", "gidx", "hull_terms", "varying", "buf",
+                 "rows_size", "addr_pos", "rel_flat", "gidx_flat", "nbytes")
 
     def __init__(self, info: _PairInfo, rows: np.ndarray, runs: np.ndarray | None,
                  rel: np.ndarray, coef: np.ndarray, which: np.ndarray,
@@ -116,6 +118,23 @@ class _Template:
                            for dev, groups in zip(devices, hulls)]
         self.varying = [tuple((number[w0, c0], e0, number[w1, c1], a1)
                               for w0, c0, e0, w1, c1, a1 in sides) for sides in coalescing[1]]
+        # per transfer, one buffer: ``rows`` then ``runs`` (both sides each, C order), with
+        # the address of row / run j of side s (``rel[s, j]`` + shift) at ``addr_pos``, in
+        # the order of ``rel.ravel()``
+        m, k = rows.shape[1], rows.shape[2]
+        self.rows_size = rows.size
+        self.buf = (rows.ravel() if runs is None
+                    else np.concatenate((rows.ravel(), runs.ravel())))
+        pos = [np.arange(m, dtype=np.intp) * k + s * m * k for s in (0, 1)]
+        if runs is not None:
+            n = runs.shape[1]
+            pos = [np.concatenate((pos[s], rows.size + s * n * 3
+                                   + np.arange(n, dtype=np.intp) * 3)) for s in (0, 1)]
+        self.addr_pos = np.concatenate(pos)
+        self.rel_flat = np.ascontiguousarray(rel).ravel()
+        self.gidx_flat = np.ascontiguousarray(self.gidx).ravel()
+        flat = rows if runs is None else runs
+        self.nbytes = int(flat[0, :, 1].astype(np.int64).sum())  # the local side's bytes
 
 
 def _pattern(lo: OuterIds, ro: OuterIds) -> "tuple[Any, ...] | None":
@@ -127,13 +146,13 @@ def _pattern(lo: OuterIds, ro: OuterIds) -> "tuple[Any, ...] | None":
     if len(rp) != n:
         return None
     last = _LAST_PATTERN
-    if last is not None and len(last[0]) == 2 * n:
-        seen = last[0]
+    if last is not None and len(last[0]) == n and len(last[1]) == n:
+        seen_l, seen_r = last[0], last[1]
         for i in range(n):
-            if seen[i] is not lp[i][1] or seen[n + i] is not rp[i][1]:
+            if seen_l[i][1] is not lp[i][1] or seen_r[i][1] is not rp[i][1]:
                 break
         else:
-            return last[1]
+            return last[2]
     lr, rr = lo.ranges, ro.ranges
     key: list[Any] = [None] * (2 * n)
     firsts: list[int] = [0] * (2 * n)
@@ -145,16 +164,16 @@ def _pattern(lo: OuterIds, ro: OuterIds) -> "tuple[Any, ...] | None":
         if k <= 16:  # a few columns: Python ints (fewer numpy calls)
             v, w = a.tolist(), b.tolist()
             a0, b0 = v[0], w[0]
-            key[i] = tuple([x - a0 for x in v])
-            key[n + i] = tuple([x - b0 for x in w])
+            key[i] = tuple(map((-a0).__add__, v))  # (x - a0 for x in v, without a frame)
+            key[n + i] = tuple(map((-b0).__add__, w))
         else:  # columns known to be consecutive (OuterIds.ranges) need not be read
             a0, b0 = a.item(0), b.item(0)
             key[i] = ("range", k) if lr is not None and lr[i] else (a - a0).tobytes()
             key[n + i] = ("range", k) if rr is not None and rr[i] else (b - b0).tobytes()
         firsts[i], firsts[n + i] = a0, b0
     got = (tuple(key), firsts)
-    if lo.frozen and ro.frozen:  # never modified: remembered by identity
-        _LAST_PATTERN = ([c for _, c in lp] + [c for _, c in rp], got)
+    if lo.frozen and ro.frozen:  # never modified: remembered by identity (their parts)
+        _LAST_PATTERN = (lp, rp, got)
     return got
 
 
@@ -207,6 +226,7 @@ class PlanTemplates:
                 return None
             t = _build(info, lo, ro, mode, firsts, local.device, remote.device)
             size = (t.rows.nbytes + (0 if t.runs is None else t.runs.nbytes) + 3 * t.rel.nbytes
+                    + t.buf.nbytes + t.addr_pos.nbytes
                     + sum(len(k) if isinstance(k, bytes) else 8 * len(k) for k in key))
             if self._stored + size > _MAX_BYTES:  # bounded memory: start again
                 for other in self._infos.values():
@@ -223,7 +243,6 @@ class PlanTemplates:
                         and b.col_lo <= r0 + rmin and r0 + rmax <= b.col_hi):
                     return None
         shifts = [firsts[w] * c for w, c in t.groups]
-        addrs = t.rel + np.array(shifts, dtype=np.int64)[t.gidx]
         hulls = []
         for dev, terms in t.hull_terms:
             g, low, high = terms[0]
@@ -238,15 +257,17 @@ class PlanTemplates:
         for (g0, e0, g1, a1), (h0, f0, h1, b1) in t.varying:  # joins that depend on shifts
             if a1 + shifts[g1] == e0 + shifts[g0]:
                 coalesced -= b1 + shifts[h1] == f0 + shifts[h0]
-        rows = t.rows.copy()
-        m = t.m
-        rows[:, :, 0] = addrs[:, :m]
+        # the rows [and runs] of both sides, in one buffer: the template's, with every
+        # address rewritten (rel + its group's shift)
+        buf = t.buf.copy()
+        buf[t.addr_pos] = (t.rel_flat + np.array(shifts, dtype=np.int64)[t.gidx_flat]
+                           ).view(np.uint64)  # (the same bits as a cast, without one)
+        rows = buf[:t.rows_size].reshape(t.rows.shape)
         if t.runs is None:
-            return (PlannedRows(rows[0], rows[0], t, hulls[0], coalesced),
+            return (PlannedRows(rows[0], rows[0], t, hulls[0], coalesced, t.nbytes),
                     PlannedRows(rows[1], rows[1], t, hulls[1]))
-        runs = t.runs.copy()
-        runs[:, :, 0] = addrs[:, m:]
-        return (PlannedRows(rows[0], runs[0], t, hulls[0], coalesced),
+        runs = buf[t.rows_size:].reshape(t.runs.shape)
+        return (PlannedRows(rows[0], runs[0], t, hulls[0], coalesced, t.nbytes),
                 PlannedRows(rows[1], runs[1], t, hulls[1]))
 
 

@@ -31,6 +31,7 @@ OPS = ("READ", "WRITE")
 MEM_TYPES = ("DRAM", "VRAM")  # case-sensitive, as NIXL's (a wrong one is a bare KeyError there)
 MAX_AGENT_METADATA = 1 << 20
 MAX_ANNOUNCED_REGIONS = 1 << 10
+_UINT64 = np.dtype(np.uint64)
 
 
 class TransportError(RuntimeError):
@@ -466,7 +467,9 @@ class PeerRegistrations:
 
     def problem(self, agent: str, descs: np.ndarray) -> str | None:
         """Why ``descs`` (N, 3) do not all lie in memory ``agent`` announced, or None."""
-        ranges = self._ranges.get(agent, np.zeros((0, 3), dtype=np.uint64))
+        ranges = self._ranges.get(agent)
+        if ranges is None:
+            ranges = np.zeros((0, 3), dtype=np.uint64)
         return registration_problem(descs, ranges,
                                     whose=f"the memory remote agent {agent} has registered")
 
@@ -479,7 +482,9 @@ def registration_problem(descs: "np.ndarray | AffineList", ranges: np.ndarray, *
     segment by segment: a segment whose whole extent lies in one range is inside; any other is
     materialised and checked descriptor by descriptor (the same answer, the same message).
     ``first_index``: the id of ``descs``' first row (in the message)."""
-    ranges = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
+    if not (type(ranges) is np.ndarray and ranges.dtype is _UINT64 and ranges.ndim == 2
+            and ranges.shape[1] == 3):
+        ranges = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
     if type(descs) is np.ndarray:  # runs just vouched for (PlannedRows): the template's hull
         hull = hull_of(descs)
         if hull is not None:
@@ -554,17 +559,17 @@ def pair_descriptors(local_descs: Any, remote_descs: Any, *, what: str) -> Paire
             strided = local_descs.rows.shape[1] == 5
             if _CHECKED_TOKENS.get(id(token)) is token:
                 vouch(local_descs, remote_descs)
-                return PairedDescriptors(
-                    local=local_descs.runs, remote=remote_descs.runs,
-                    local_strided=local_descs.rows if strided else None,
-                    remote_strided=remote_descs.rows if strided else None)
+                return PairedDescriptors(  # (local, remote, local_strided, remote_strided)
+                    local_descs.runs, remote_descs.runs,
+                    local_descs.rows if strided else None, remote_descs.rows if strided else None)
             checked = pair_descriptors(local_descs.rows, remote_descs.rows, what=what)
             if (np.array_equal(checked.local, local_descs.runs)
                     and np.array_equal(checked.remote, remote_descs.runs)
                     and runs_hull(checked.local) == local_descs.hull
                     and runs_hull(checked.remote) == remote_descs.hull
                     and local_descs.coalesced in (None, coalesced_count(checked.local,
-                                                                        checked.remote))):
+                                                                        checked.remote))
+                    and local_descs.nbytes in (None, int(checked.local[:, 1].sum()))):
                 if len(_CHECKED_TOKENS) >= 4096:
                     _CHECKED_TOKENS.clear()
                 _CHECKED_TOKENS[id(token)] = token

@@ -82,6 +82,28 @@ class OuterIds:
         self.ranges = tuple(known) if ranges is not None and frozen and any(known) else None
         return self
 
+    @classmethod
+    def of_two(cls, s0: np.ndarray, c0: np.ndarray, s1: np.ndarray, c1: np.ndarray, *,
+               frozen: bool = False, first_range: bool = False) -> "OuterIds":
+        """``of_arrays(((s0, c0), (s1, c1)), frozen=frozen, ranges=(first_range, False) if
+        first_range else None)``: the connector's two parts (attention, state), without the
+        general loop when both are non-empty 1-D int64 arrays."""
+        if (type(c0) is np.ndarray and type(c1) is np.ndarray and type(s0) is np.ndarray
+                and type(s1) is np.ndarray and c0.dtype is _INT64 and c1.dtype is _INT64
+                and s0.dtype is _INT64 and s1.dtype is _INT64 and c0.ndim == 1 and c1.ndim == 1
+                and s0.ndim == 1 and s1.ndim == 1):
+            n0, n1 = s0.size * c0.size, s1.size * c1.size
+            if n0 and n1:
+                self = cls.__new__(cls)
+                self.parts = ((s0, c0), (s1, c1))
+                self.size = n0 + n1
+                self._flat = None
+                self.frozen = frozen
+                self.ranges = (True, False) if first_range and frozen else None
+                return self
+        return cls.of_arrays(((s0, c0), (s1, c1)), frozen=frozen,
+                             ranges=(first_range, False) if first_range else None)
+
     def __init__(self, parts: Sequence[tuple[Any, Any]], *, frozen: bool = False) -> None:
         kept = []
         for starts, cols in parts:
@@ -352,7 +374,11 @@ def pair_geometry(local: AffineList, lo: OuterIds, remote: AffineList, ro: Outer
     parts_l, parts_r = lo.parts, ro.parts
     if not parts_l or len(parts_l) != len(parts_r):
         return None
-    key = (id(local), id(remote), *[id(a[0]) for a in parts_l + parts_r])
+    if len(parts_l) == 2:  # the connector's: attention and state (the same key, built inline)
+        key: tuple[int, ...] = (id(local), id(remote), id(parts_l[0][0]), id(parts_l[1][0]),
+                                id(parts_r[0][0]), id(parts_r[1][0]))
+    else:
+        key = (id(local), id(remote), *[id(a[0]) for a in parts_l + parts_r])
     pair = cache.get(key)
     if pair is None:
         for (ls, _), (rs, _) in zip(parts_l, parts_r):

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PlannedRows", "runs_hull", "vouch", "hull_of", "coalesced_of"]
+__all__ = ["PlannedRows", "runs_hull", "vouch", "hull_of", "coalesced_of", "nbytes_of"]
 
 
 # the runs of the last transfer whose PlannedRows were taken as given (vouch) -> their facts
@@ -38,7 +38,8 @@ def vouch(local: PlannedRows, remote: PlannedRows) -> None:
     global _LAST
     lr, rr = local.runs, remote.runs
     lr.flags.writeable = rr.flags.writeable = False
-    _LAST = {id(lr): (lr, local.hull, rr, local.coalesced), id(rr): (rr, remote.hull, None, None)}
+    _LAST = {id(lr): (lr, local.hull, rr, local.coalesced, local.nbytes),
+             id(rr): (rr, remote.hull, None, None, None)}
 
 
 def hull_of(runs: np.ndarray) -> tuple[int, int, int] | None:
@@ -51,6 +52,13 @@ def coalesced_of(local: np.ndarray, remote: np.ndarray) -> int | None:
     """NIXL's coalesced count of a pair of runs just vouched for, else None."""
     got = _LAST.get(id(local))
     return got[3] if got is not None and got[0] is local and got[2] is remote else None
+
+
+def nbytes_of(local: np.ndarray) -> int | None:
+    """The bytes of the local runs of a transfer just vouched for (their lengths' sum),
+    else None."""
+    got = _LAST.get(id(local))
+    return got[4] if got is not None and got[0] is local else None
 
 
 def runs_hull(runs: np.ndarray) -> tuple[int, int, int] | None:
@@ -70,15 +78,18 @@ class PlannedRows:
     expansion (``runs``; the rows themselves when M x 3), the template they came from
     (``token``, the same object on both sides of a transfer) and the runs' hull (``hull``:
     device, lowest address, highest end) and, on the local side, NIXL's coalesced count of the
-    runs of both sides (``coalesced``; None: not known) -- both computed from the template and
-    compared with the runs' own when the token is checked."""
+    runs of both sides (``coalesced``; None: not known) and the bytes of its runs (``nbytes``,
+    the sum of their lengths; None: not known) -- all computed from the template and compared
+    with the runs' own when the token is checked."""
 
-    __slots__ = ("rows", "runs", "token", "hull", "coalesced")
+    __slots__ = ("rows", "runs", "token", "hull", "coalesced", "nbytes")
 
     def __init__(self, rows: np.ndarray, runs: np.ndarray, token: Any,
-                 hull: tuple[int, int, int], coalesced: int | None = None) -> None:
+                 hull: tuple[int, int, int], coalesced: int | None = None,
+                 nbytes: int | None = None) -> None:
         self.rows, self.runs, self.token, self.hull = rows, runs, token, hull
         self.coalesced = coalesced  # NIXL's coalesced count of the runs of both sides
+        self.nbytes = nbytes  # the runs' bytes (local side)
 
     @property
     def shape(self) -> tuple[int, ...]:

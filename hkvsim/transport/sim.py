@@ -49,13 +49,30 @@ from .base import (
     registration_problem,
 )
 from .coalesce import coalesced_count, coalesces
+from .planned import nbytes_of
 from .memory import copy_ranges, lazy_buffer
 
 __all__ = ["SimWorld", "SimTransport"]
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
 _PREPPED_COALESCES = coalesces("prepped")  # NIXL coalesces prepared lists (fixed per version)
+_UNPREPPED_COALESCES = coalesces("non_prepped")  # initialize_xfer's lists (NIXL 1.5: not)
 _ADDRESS_SPACE = 1 << 44  # each agent's memory lives in its own synthetic 16 TiB window
+
+
+_ROW_IDS: dict[int, np.ndarray] = {}  # n -> [0..n) int64, read-only (make_xfer's row ids)
+
+
+def _row_ids(n: int) -> np.ndarray:
+    """``np.arange(n)`` as int64, read-only, shared by the transfers of n rows (only read)."""
+    got = _ROW_IDS.get(n)
+    if got is None:
+        got = np.arange(n, dtype=np.int64)
+        got.flags.writeable = False
+        if len(_ROW_IDS) >= 1024:
+            _ROW_IDS.clear()
+        _ROW_IDS[n] = got
+    return got
 
 
 @dataclass(eq=False, slots=True)
@@ -240,6 +257,8 @@ class SimTransport:
         self._peers = PeerRegistrations()
         self._sizes: dict[int, int] = {}
         self._finished: list[int] = []  # handles that left PROC since take_finished()
+        self._regions: np.ndarray | None = None  # _own_regions (None: to be built)
+        self._make_xfer_what = f"{name}: make_xfer"  # (pair_descriptors' messages)
 
     # ---- memory --------------------------------------------------------------------------
     def allocate(self, nbytes: int, *, mem_type: str = "VRAM", device_id: int = 0) -> Memory:
@@ -253,21 +272,32 @@ class SimTransport:
     def _extent(self, memory: Memory) -> tuple[int, int, int]:
         return memory.base_addr, self._sizes.get(id(memory), memory.nbytes), memory.device_id
 
+    def _own_regions(self) -> np.ndarray:
+        """This agent's registered memory as (K, 3) uint64 (base, length, device), read-only;
+        built once per registration (register_memory / deregister_memory drop it)."""
+        regions = self._regions
+        if regions is None:
+            extents = [self._extent(m) for m in self.world.agent(self.name).memories]
+            regions = np.array(extents, dtype=np.uint64).reshape(-1, 3)
+            regions.flags.writeable = False
+            self._regions = regions
+        return regions
+
     def _own_registration_problem(self, descs: "np.ndarray | AffineList") -> str | None:
-        regions = [self._extent(m) for m in self.world.agent(self.name).memories]
-        return registration_problem(descs, np.array(regions, dtype=np.uint64).reshape(-1, 3),
-                                    whose="the registered memory")
+        return registration_problem(descs, self._own_regions(), whose="the registered memory")
 
     def register_memory(self, memory: Memory) -> None:
         agent = self.world.agent(self.name)
         if memory not in agent.memories:
             agent.memories.append(memory)
+        self._regions = None
 
     def deregister_memory(self, memory: Memory) -> None:
         agent = self.world.agent(self.name)
         if memory not in agent.memories:
             raise TransportError(f"{self.name}: deregistering memory that is not registered")
         agent.memories.remove(memory)
+        self._regions = None
         gone = np.array([self._extent(memory)], dtype=np.uint64)
         self._mark_stale(self.name, gone, "its memory was deregistered")
 
@@ -379,11 +409,12 @@ class SimTransport:
         (N, 5) strided rows, on both sides. Posting is charged per run (each row of an (N, 3)
         array, each of the ``count`` runs of a strided row): on the CPU VM strided lists cut
         prep time but not post time (docs/semantics.md §10). Telemetry reports the rows posted."""
-        check_op(op, owner=self.name)
+        if op != "READ" and op != "WRITE":
+            check_op(op, owner=self.name)
         if remote_agent not in self._remotes:
             raise TransportError(f"{self.name}: make_xfer to unknown remote agent "
                                  f"{remote_agent!r} (add_remote_agent first)")
-        pairs = pair_descriptors(local_descs, remote_descs, what=f"{self.name}: make_xfer")
+        pairs = pair_descriptors(local_descs, remote_descs, what=self._make_xfer_what)
         ld, rd = pairs.local, pairs.remote
         rows = ld.shape[0] if pairs.local_strided is None else pairs.local_strided.shape[0]
         problem = self._own_registration_problem(ld)
@@ -392,16 +423,20 @@ class SimTransport:
         problem = self._peers.problem(remote_agent, rd)
         if problem is not None:
             raise TransportError(f"{self.name}: make_xfer remote: {problem}")
-        ids = np.arange(ld.shape[0], dtype=np.int64)
+        ids = _row_ids(ld.shape[0])
         handle = next(self._ids)
+        nbytes = nbytes_of(ld)  # rows of a template: its byte count
+        if nbytes is None:
+            nbytes = int(ld[:, 1].sum())
         self._xfers[handle] = _Xfer(op=op, local=_DList(agent=self.name, descs=ld), local_ids=ids,
                                     remote=_DList(agent=remote_agent, descs=rd), remote_ids=ids,
-                                    notif=bytes(notif), nbytes=int(ld[:, 1].sum()),
+                                    notif=bytes(notif), nbytes=nbytes,
                                     rows=int(rows), owner=self.world.post_owner, unprepped=True,
                                     # strided rows are prepared lists (coalesced); plain rows go
                                     # through initialize_xfer, which NIXL 1.5 does not coalesce
-                                    coalesced=coalesced_count(ld, rd) if coalesces(
-                                        "non_prepped" if pairs.local_strided is None else "prepped")
+                                    coalesced=coalesced_count(ld, rd) if (
+                                        _UNPREPPED_COALESCES if pairs.local_strided is None
+                                        else _PREPPED_COALESCES)
                                     else int(ld.shape[0]),
                                     handle=handle)
         return handle

@@ -229,8 +229,10 @@ def test_pair_descriptors_checks_a_template_in_full_once() -> None:
     again = pair_descriptors(l2, r2, what="t")
     assert again.local is l2.runs and again.remote is r2.runs
     assert np.array_equal(again.local, pair_descriptors(l2.rows, r2.rows, what="t").local)
-    # a wrong expansion, or a wrong hull: checked in full, not marked
-    for bad in ("runs", "hull", "coalesced"):
+    # the template's byte count is the runs' own (make_xfer takes it instead of summing)
+    assert again_bytes(l2) == int(l2.runs[:, 1].sum())
+    # a wrong expansion, a wrong hull, count or byte count: checked in full, not marked
+    for bad in ("runs", "hull", "coalesced", "nbytes"):
         other = _planned()
         bl, br = other(0)
         if bad == "runs":
@@ -238,11 +240,22 @@ def test_pair_descriptors_checks_a_template_in_full_once() -> None:
             bl.runs[0, 0] += 1
         elif bad == "hull":
             bl.hull = (bl.hull[0], bl.hull[1] - 1, bl.hull[2])
+        elif bad == "nbytes":
+            bl.nbytes += 1
         else:
             bl.coalesced += 1
         got = pair_descriptors(bl, br, what="t")
         assert np.array_equal(got.local, expand(bl.rows))
         assert tbase._CHECKED_TOKENS.get(id(bl.token)) is not bl.token
+
+
+def again_bytes(rows) -> int:
+    """The byte count a transport takes for vouched-for runs (nbytes_of), asserted known."""
+    from hkvsim.transport.planned import nbytes_of
+
+    got = nbytes_of(rows.runs)
+    assert got is not None and got == rows.nbytes
+    return got
 
 
 def test_pair_descriptors_refuses_bad_planned_rows_like_plain_rows() -> None:
