@@ -17,6 +17,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -160,7 +161,7 @@ class SimDriver:
                 self.coord.set_rank_info(rank, payload=worker.handshake_payload(),
                                          agent=transport.name,
                                          agent_metadata=transport.get_agent_metadata())
-                self.world.on_activity(transport.name, lambda rank=rank: self._on_activity(rank))
+                self.world.on_activity(transport.name, partial(self._on_activity, rank))
         self.world.landing_guard = self._on_landing
         self.world.on_death = self._on_death
         # host path with the peers' poll periods: when each rank was last woken by a message
@@ -306,7 +307,7 @@ class SimDriver:
         executor = self.ranks[rank]
         events = executor.poll(executor.worker.transport.take_finished())
         if events:
-            self._deliver(lambda: self.coord.on_events(events, self.env.now))
+            self.loop.deliver(partial(self.coord.on_events, events, self.env.now))
 
     def _on_death(self, agent: str) -> None:
         rank = self._agent_rank[agent]
