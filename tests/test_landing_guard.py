@@ -113,3 +113,43 @@ def test_runs_named_by_the_transport_are_shared_only_at_the_same_offsets() -> No
     assert driver._on_landing(agent, None, None, 7, False, memo=memo) is True
     assert memo["blocks"].tolist() == [4, 5]
     assert driver.coord.counters["stray_writes"] == 1
+
+
+def test_shared_blocks_are_checked_again_after_the_pool_changes_owners() -> None:
+    """A request's ranks land on the same blocks: the guard checks their owners once per
+    change of the pool's owners (``owner_epoch``), so a free or an allocation between two
+    checks -- through the pool's own calls, not only writes through ``owner`` -- is seen."""
+    driver, agent, base, engine = _driver()
+    pool = engine.pool
+    page = engine.layout.unified_page_bytes
+    token = object()
+    lengths = np.array([page, page], dtype=np.int64)
+    addrs = base + np.array([2 * page, 3 * page], dtype=np.int64)
+    pool.owner[[2, 3]] = 7
+
+    def check(landed: bool) -> bool:  # another rank's transfer over the same runs
+        return driver._on_landing(agent, addrs, lengths, 7, landed,
+                                  memo={"runs": (token, "local", int(addrs[0]))})
+
+    assert check(False) is False and check(False) is False
+    epoch = pool.owner_epoch
+    assert check(False) is False and pool.owner_epoch == epoch  # reads do not count as changes
+    pool.free({0: np.array([3], dtype=np.int64)})  # the coordinator's path
+    assert pool.owner_epoch > epoch
+    assert check(True) is True
+    assert driver.coord.counters["late_landings"] == 1
+    pool.owner[3] = 7
+    assert check(True) is False
+    other = pool.allocate(1, 0)  # request 0 takes free blocks: blocks 2, 3 stay 7's
+    assert check(True) is False
+    pool._owner[3] = -1  # bypassing the pool is not observable; only its own calls are
+    pool.free(other)
+    assert check(True) is True
+
+
+def test_owner_view_cannot_be_written() -> None:
+    _, _, _, engine = _driver()
+    import pytest
+
+    with pytest.raises(ValueError):
+        engine.pool.owner_view[0] = 3

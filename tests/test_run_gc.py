@@ -120,3 +120,17 @@ def test_a_small_run_freezes_nothing(monkeypatch) -> None:
     driver, _, seen = _run_tiny(monkeypatch, gc.get_freeze_count)
     assert 0 < len(driver.coord.records) < sim.FREEZE_FROM_REQUESTS
     assert seen == [0]
+
+
+def test_transfer_telemetry_shares_the_routes_path_tuples(monkeypatch) -> None:
+    """A request record keeps one telemetry entry per transfer to the run's end; its "path"
+    is the transport's tuple for the route (shared, not a list per transfer), so a long run
+    retains no per-transfer container the collector must scan."""
+    _, result, _ = _run_tiny(monkeypatch, lambda: None)
+    entries = [t for rec in result.records for t in rec.telemetry]
+    assert len(entries) >= 3
+    by_route: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for t in entries:
+        assert type(t["path"]) is tuple and t["path"]
+        assert by_route.setdefault(t["path"], t["path"]) is t["path"]
+    assert len(by_route) < len(entries)  # routes repeat across transfers

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -160,7 +161,7 @@ class SimDriver:
                 self.coord.set_rank_info(rank, payload=worker.handshake_payload(),
                                          agent=transport.name,
                                          agent_metadata=transport.get_agent_metadata())
-                self.world.on_activity(transport.name, lambda rank=rank: self._on_activity(rank))
+                self.world.on_activity(transport.name, partial(self._on_activity, rank))
         self.world.landing_guard = self._on_landing
         self.world.on_death = self._on_death
         # host path with the peers' poll periods: when each rank was last woken by a message
@@ -176,6 +177,9 @@ class SimDriver:
         self._last_touched: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
         # ... and per (engine, runs token, side, first address in the allocation) the blocks
         self._touched_runs: dict[tuple[Any, ...], tuple[Any, np.ndarray, bool]] = {}
+        # ... and per (blocks, owner) the pool's owner epoch when they were last all the
+        # owner's: a request's ranks land on the same blocks, checked once per owner change
+        self._owned: dict[tuple[int, Any], tuple[np.ndarray, Any, int]] = {}
 
     # ---- the run --------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -185,10 +189,8 @@ class SimDriver:
                 self.env.process(self._kill_at(at, agent))
         with fewer_collections():
             self._deliver(lambda: self.coord.start(self.env.now))
-            if len(self.coord.records) >= FREEZE_FROM_REQUESTS:
-                with setup_frozen():
-                    self.env.run()
-            else:
+            big = len(self.coord.records) >= FREEZE_FROM_REQUESTS
+            with setup_frozen() if big else contextlib.nullcontext():
                 self.env.run()
         return self._result()
 
@@ -305,7 +307,7 @@ class SimDriver:
         executor = self.ranks[rank]
         events = executor.poll(executor.worker.transport.take_finished())
         if events:
-            self._deliver(lambda: self.coord.on_events(events, self.env.now))
+            self.loop.deliver(partial(self.coord.on_events, events, self.env.now))
 
     def _on_death(self, agent: str) -> None:
         rank = self._agent_rank[agent]
@@ -339,8 +341,6 @@ class SimDriver:
             return False
         if memo is not None and "blocks" in memo:  # landing: the blocks derived at posting
             blocks, outside, engine = memo["blocks"], memo["outside"], memo["engine"]
-            if not outside and not (engine.pool.owner[blocks] != owner).any():
-                return False  # the common case: every block touched belongs to the request
         else:
             rank = self._agent_rank[agent]
             engine = self.coord.engine(rank[0])
@@ -350,10 +350,20 @@ class SimDriver:
                 None if memo is None else memo.get("extents"))
             if memo is not None:
                 memo["blocks"], memo["outside"], memo["engine"] = blocks, outside, engine
-            if not outside and not (engine.pool.owner[blocks] != owner).any():
-                return False  # the common case: every block touched belongs to the request
+        pool = engine.pool
+        if not outside:  # the common case: every block touched belongs to the request
+            key = (id(blocks), owner)
+            seen = self._owned.get(key)
+            if (seen is not None and seen[0] is blocks and seen[1] is pool
+                    and seen[2] == pool.owner_epoch):
+                return False  # checked since the pool's owners last changed
+            if not (pool.owner_view[blocks] != owner).any():
+                if len(self._owned) >= 256:
+                    self._owned.clear()
+                self._owned[key] = (blocks, pool, pool.owner_epoch)  # keeps blocks alive
+                return False
         owners = np.where(blocks == OUTSIDE_BLOCKS, OUTSIDE_BLOCKS - 1,
-                          engine.pool.owner[np.maximum(blocks, 0)])
+                          pool.owner_view[np.maximum(blocks, 0)])
         bad = owners != owner
         if not bad.any():
             return False

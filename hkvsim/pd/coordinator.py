@@ -1225,7 +1225,9 @@ class Coordinator:
                 entry = {
                     "nbytes": t.nbytes, "descriptors": t.descriptors, "submitted": t.submitted,
                     "post_seconds": t.post_seconds, "transfer_seconds": t.transfer_seconds,
-                    "completed": t.completed, "path": list(t.path), "coalesced": t.coalesced}
+                    # the path as a tuple: the transport's own (one per route; no copy), so a
+                    # long run keeps no list per transfer for the collector to scan
+                    "completed": t.completed, "path": tuple(t.path), "coalesced": t.coalesced}
                 if t.coalesced_model is not None:  # real backends: the model on the real lists
                     entry["coalesced_model"] = t.coalesced_model
                 rec.telemetry.append(entry)

@@ -1,8 +1,9 @@
 """An engine's block pool: the free list, who owns each block, and version stamps.
 
 Pure bookkeeping, shared by every driver: the coordinator allocates and frees; the simulated
-fabric's landing guard reads ``owner`` to flag bytes that land in a block their request does not
-own any more; ``version`` catches prefill blocks freed while a transfer still reads them.
+fabric's landing guard reads ``owner_view`` (and ``owner_epoch``) to flag bytes that land in a
+block their request does not own any more; ``version`` catches prefill blocks freed while a
+transfer still reads them.
 
 Block ids come in two flavours (``[prefill]``/``[decode]`` ``block_ids``):
 
@@ -98,12 +99,25 @@ class EnginePool:
         self.allocator = BlockAllocator(layout.num_logical_blocks,
                                         tail_first=block_ids == "warmed")
         # the request (index) each logical block is allocated to, FREE_BLOCK when in the pool
-        self.owner = np.full(layout.num_logical_blocks, FREE_BLOCK, dtype=np.int64)
+        # (``owner``; ``owner_view`` reads it without counting as a change)
+        self._owner = np.full(layout.num_logical_blocks, FREE_BLOCK, dtype=np.int64)
+        self.owner_view = self._owner.view()
+        self.owner_view.flags.writeable = False
+        # bumped whenever owners may have changed: a reader may keep what it derived from
+        # owner_view while the epoch stays the same
+        self.owner_epoch = 0
         # bumped on every free: a transfer that reads blocks whose version changed under it
         # read freed (maybe reused) memory
         self.version = np.zeros(layout.num_logical_blocks, dtype=np.int64)
         if warmup:
             self._warm_up(warmup, np.random.default_rng(seed))
+
+    @property
+    def owner(self) -> np.ndarray:
+        """Who owns each logical block (writable: whoever takes the array may change owners,
+        so taking it bumps ``owner_epoch``)."""
+        self.owner_epoch += 1
+        return self._owner
 
     def _warm_up(self, requests: int, rng: np.random.Generator) -> None:
         """Churn the free queue with ``requests`` synthetic requests: each takes 1 to half the
@@ -137,7 +151,8 @@ class EnginePool:
         for group in self.layout.groups:
             n = n_attention if group.kind == "attention" else 1
             blocks[group.group_id] = self.allocator.allocate(n)
-            self.owner[blocks[group.group_id]] = owner
+            self._owner[blocks[group.group_id]] = owner
+        self.owner_epoch += 1
         return blocks
 
     def free(self, blocks: dict[int, np.ndarray], *, stamp: bool = True) -> None:
@@ -145,9 +160,10 @@ class EnginePool:
         them is caught; only push's own completion (its WRITEs are DONE) skips it."""
         for ids in blocks.values():
             self.allocator.free(ids)
-            self.owner[ids] = FREE_BLOCK
+            self._owner[ids] = FREE_BLOCK
             if stamp:
                 self.version[ids] += 1
+        self.owner_epoch += 1
 
     def versions(self, blocks: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         return {g: self.version[ids].copy() for g, ids in blocks.items()}

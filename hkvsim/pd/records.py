@@ -60,7 +60,8 @@ class RequestRecord:
     # requests whose late transfer bytes landed in this request's blocks after it was verified
     overwritten_by: list[int] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)
-    telemetry: list[dict[str, Any]] = field(default_factory=list)  # one entry per transfer
+    # one entry per transfer ("path": a tuple of link names)
+    telemetry: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
