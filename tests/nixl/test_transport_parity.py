@@ -33,17 +33,9 @@ class Pair:
 
 
 def _sim_pair() -> Iterator[Pair]:
-    import simpy
+    from tests.sim_agents import sim_agent_pair
 
-    from hkvsim.fabric import Fabric, load_profile, place_engines
-    from hkvsim.transport.sim import SimWorld
-
-    env = simpy.Environment()
-    profile = load_profile("cpu-ucx-loopback")
-    fabric = Fabric(env, profile, place_engines(profile, [("a", "prefill", 1),
-                                                          ("b", "decode", 1)]))
-    world = SimWorld(env, fabric)
-    a, b = world.create_agent("t-a", ("a", 0)), world.create_agent("t-b", ("b", 0))
+    env, a, b = sim_agent_pair()
 
     def wait(handle: int) -> str:
         env.run()

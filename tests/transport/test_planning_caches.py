@@ -7,21 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import simpy
 
-from hkvsim.fabric import Fabric, load_profile, place_engines
 from hkvsim.transport.base import TransportError
 from hkvsim.transport.outer import OuterIds
-from hkvsim.transport.sim import SimWorld
+from tests.sim_agents import sim_agent_pair
 
 
 def _pair() -> tuple[object, object, str]:
-    env = simpy.Environment()
-    profile = load_profile("cpu-ucx-loopback")
-    fabric = Fabric(env, profile, place_engines(profile, [("a", "prefill", 1),
-                                                          ("b", "decode", 1)]))
-    world = SimWorld(env, fabric)
-    a, b = world.create_agent("t-a", ("a", 0)), world.create_agent("t-b", ("b", 0))
+    _env, a, b = sim_agent_pair()
     mb = b.allocate(1 << 16, mem_type="DRAM")
     b.register_memory(mb)
     name = a.add_remote_agent(b.get_agent_metadata())
