@@ -6,10 +6,11 @@ across files (file 1, 2, ..., then again), so a slow minute of a loaded machine 
 every file instead of landing on one. ``warm_up`` passes over every file run first and are left
 out of every figure (their times are kept apart): on the shared 2-core VM hkvsim is measured on,
 the first real runs after an idle spell took 1.3-3.5x as long as the same files a minute later
-(a calibration's first pass: 16.2 ms against a median of 4.9 ms on one file). Per file it reports the steady-state mean per-request
-transfer time (``hkvsim.results.transfer_span``; requests that ran a handshake, each run's
-first request, which pays UCX's wire-up, and requests that arrived or were in flight while
-either was alive are left out), simulated and real (median over the
+(a calibration's first pass: 16.2 ms against a median of 4.9 ms on one file). Per file it
+reports the steady-state mean per-request transfer time (``hkvsim.results.transfer_span``;
+requests that ran a handshake, each run's first request, which pays UCX's wire-up, and
+requests that arrived or were in flight while either was alive are left out), simulated and
+real (median over the
 repeats, with their spread), the relative error, and the descriptors posted and left after
 NIXL's coalescing on both backends. The two can differ where block ids depend on the order in
 which concurrent requests finish (a warmed-up pool under a burst: each backend allocates from its
@@ -17,7 +18,8 @@ own completion order), so the coalescing model is also checked where that cannot
 real transfer, hkvsim's model applied to the descriptor lists the rank really posted against the
 count in NIXL's telemetry (``coalesced_model`` vs ``coalesced``; they must agree). The machine's
 load average is recorded before every real run, and runs started above one runnable task per core
-are flagged.
+are flagged; how fast the host ran against the profile's calibration (the real coordinator's CPU
+per call against the profile's, :func:`host_cpu_drift`) is reported and flagged beyond 1.5x.
 
 Nothing is fitted here: the numbers are what the shipped profile predicts.
 """
