@@ -449,4 +449,11 @@ def run_scenario(scenario: Scenario, *, timing_only: bool = False,
                  progress: Callable[[RequestRecord], None] | None = None) -> RunResult:
     """Run one scenario on the simulated fabric (``timing_only``: move no bytes, verify none;
     ``progress`` is called with each request's record as its serving ends)."""
-    return SimDriver(scenario, timing_only=timing_only, progress=progress).run()
+    driver = SimDriver(scenario, timing_only=timing_only, progress=progress)
+    result = driver.run()
+    if driver.implementation:  # vLLM's own workers: their finalizers run here, not later
+        from ..implementations.vllm.engine import release_workers
+
+        del driver
+        release_workers()
+    return result

@@ -282,3 +282,22 @@ def test_kill_rank_fails_the_same_requests_as_hkvsims_core(vllm_required: str) -
         assert [r.failure_class for r in vllm.records] == [
             None, "remote_disconnect", "remote_disconnect"], s.scenario.name
         assert vllm.records[0].status == "ok" and vllm.records[0].mismatched_words == 0
+
+
+def test_a_run_leaves_no_vllm_worker_for_a_later_collection(vllm_required: str) -> None:
+    # vLLM's worker shuts down again in its __del__ (releasing handles that may still be
+    # active, which raises): that must happen inside the run, not at whatever moment a later
+    # garbage collection finds the worker (CPython 3.11 then failed an unrelated ast.parse)
+    import gc
+
+    # a fault run: a transfer is still active when vLLM shuts down
+    (scenario,) = load_scenarios(ROOT / "scenarios" / "vllm" / "fail-transfer-tiny-deepseek.toml")
+    gc.disable()  # no automatic collection may hide a worker left behind
+    try:
+        run_scenario(scenario)
+        left = [o for o in gc.get_objects()
+                if any(c.__name__ == "NixlBaseConnectorWorker" or
+                       c.__name__ == "NixlConnectorWorker" for c in type(o).__mro__)]
+    finally:
+        gc.enable()
+    assert left == [], f"{len(left)} vLLM worker(s) still alive after the run"

@@ -24,6 +24,7 @@ caches), and the hybrids with KDA or GDN state (handed to vLLM as a GDN ``MambaS
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -672,6 +673,21 @@ class VllmHarness:
 
 _ACTIVE: "VllmHarness | None" = None
 _PATCHED: list[bool] = []
+
+
+def release_workers() -> None:
+    """A run is over: the active harness drops its vLLM workers and their garbage is collected
+    now, so that their ``__del__`` (vLLM's worker shuts down again there, releasing handles that
+    may still be active) runs inside the run that made them, with the harness's clock still in
+    place, and not at whatever moment a later collection finds them: CPython 3.11 failed an
+    unrelated ``ast.parse`` with "AST constructor recursion depth mismatch" when that finalizer
+    raised in the middle of it (seen at pytest's session end under vLLM 0.26.0)."""
+    if _ACTIVE is not None:
+        ended = float(_ACTIVE.now())
+        _ACTIVE.now = lambda: ended  # the run's clock held the run (its driver) alive
+        _ACTIVE.engines.clear()
+        _ACTIVE._building = None
+    gc.collect()
 
 
 def _active() -> "VllmHarness":
