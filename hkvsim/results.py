@@ -46,7 +46,9 @@ def phases(times: Mapping[str, float], telemetry: Sequence[Mapping[str, Any]], m
     *handshake* (the lazy handshakes this request ran: decode's with prefill in pull; in push
     decode's notification-only one and prefill's reverse one; first request of a pair only),
     *post wait* (queued behind the rank's posting thread), *post* (launch + coalesced
-    descriptors x per-descriptor cost), *wire* (bytes on the shared links + path latency) and
+    descriptors x per-descriptor cost; on the host path, where cma copies inside the post call,
+    the copy too), *wire* (bytes on the shared links + path latency; on the host path what
+    follows the post call: the wait for the remote's progress and the completion notice) and
     *notification* (data complete -> the peer knows: prefill frees in pull, decode completes in
     push). The handshake is never part of :func:`transfer_span`; the notification is in push
     (decode completes on it) and after it in pull."""

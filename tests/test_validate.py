@@ -9,8 +9,8 @@ import pytest
 
 from hkvsim.cli import main
 from hkvsim.validate import (FileResult, ValidationError, coalescing_model_check, markdown,
-                             steady_requests, steady_transfer_mean, steady_unexplained_mean, summary, validate,
-                             write_outputs)
+                             steady_phase_means, steady_requests, steady_transfer_mean,
+                             steady_unexplained_mean, summary, validate, write_outputs)
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,11 +68,21 @@ def test_unexplained_is_transfer_minus_post_and_wire_of_steady_requests() -> Non
     assert steady_unexplained_mean(data) == 2.5  # requests 1 (2.0) and 2 (3.0)
 
 
+def test_phase_means_are_the_steady_requests_post_and_wire() -> None:
+    data = {"request_details": [_req(0, 9.0, post=7.0, wire=1.0), _req(1, 5.0, post=1.0, wire=2.0),
+                                _req(2, 4.0, post=3.0, wire=0.5), _req(3, 6.0, post=9.0, wire=9.0,
+                                                                       handshake=2.0)]}
+    assert steady_phase_means(data) == (2.0, 1.25)  # requests 1 and 2 only
+    assert steady_phase_means({"request_details": [_req(0, 1.0, post=1.0)]}) is None
+
+
 def _result(sim: float, reals: tuple[float, ...], coalesced: tuple = (5, 5)) -> FileResult:
     return FileResult(file="scenarios/validation/x.toml", scenario="x", profile="p",
                       sim_seconds=sim, real_seconds=reals, loads=(0.5, 3.0, 0.1),
                       descriptors_posted=(10, 10), descriptors_coalesced=coalesced,
-                      outcomes=("ok",) * 4, unexplained=(0.001, 0.002, 0.004, 0.003))
+                      outcomes=("ok",) * 4, unexplained=(0.001, 0.002, 0.004, 0.003),
+                      post_seconds=(0.0005, 0.001, 0.0015, 0.002),
+                      wire_seconds=(0.0002, 0.0007, 0.0009, 0.0008))
 
 
 def test_error_spread_and_acceptance() -> None:
@@ -89,7 +99,8 @@ def test_error_spread_and_acceptance() -> None:
     assert summary([good])["accepted"]
     text = markdown([good, bad], {"when": "now", "machine": "m", "repeats": 3})
     assert "| `x.toml` | 1100.000 | 1000.000 |" in text and "+10 %" in text and "-50 %" in text
-    assert "| 1.000 / 3.000 |" in text  # sim, then the median of the real runs
+    # post call, post end to completion, unexplained: sim, then the median of the real runs
+    assert "| 0.500 / 1.500 | 0.200 / 0.800 | 1.000 / 3.000 |" in text
     assert "**NOT met**" in text
     assert "Coalesced descriptor totals differ" in text and "`x.toml` (block ids" in text
     assert "model was not checked on the real lists" in text  # no real counts in these results

@@ -22,8 +22,11 @@ Model of one ``Fabric.transfer``:
    ``rank_dispatch`` (the rank's work before the post; ``rank_dispatch_unprepped`` for a
    transfer made from raw descriptors, whose lists NIXL prepares on the call; the first
    transfer of an operation, those a rank posts at one instant, adds ``rank_op_dispatch``),
-   the post, and ``nbytes / host_copy_core_bandwidth`` (the copy). Concurrent transfers of the node beyond its cores queue
-   for one, which is what the ranks of a request see on a machine with fewer cores than ranks.
+   the post, and ``nbytes / host_copy_core_bandwidth`` (the copy). Concurrent transfers of the
+   node beyond its cores queue for one, which is what the ranks of a request see on a machine
+   with fewer cores than ranks. The post call returns only when its copy is done (NIXL's
+   telemetry on cma counts the copy in the post): the timing's ``post_end`` is ``wire_end``,
+   and the wire (the copy) lies within the post.
    With ``peer_poll_*`` the transfer then completes no earlier than the remote agent's first
    NIXL poll since the post (``peer_progress``, given by the transport). With
    ``poll_cpu_us`` the other rank processes of the node poll NIXL on the same cores: CPU work
@@ -82,8 +85,9 @@ class TransferTiming(NamedTuple):
     """When each phase of one transfer happened, in simulated seconds.
 
     ``post_start - submitted`` is the wait for the initiator's posting thread; ``post_end -
-    post_start`` the posting cost; ``wire_end - wire_start`` the (shared) wire time; ``done -
-    wire_end`` the path latency.
+    post_start`` the post call; ``wire_end - wire_start`` the (shared) wire time; ``done -
+    wire_end`` the path latency. On the host path the copy runs inside the post call, so
+    ``post_start <= wire_start <= wire_end == post_end``; elsewhere the wire follows the post.
 
     An immutable named tuple (every transfer makes one and its record keeps it: a tuple is
     several times cheaper to make than a frozen dataclass).
@@ -465,11 +469,13 @@ class Fabric:
                     yield env.timeout(dispatch * stretch)
                 post_start = env.now
                 yield env.timeout(p.post_time(descriptors) * stretch)
-                post_end = wire_start = env.now
+                wire_start = env.now
                 if nbytes > 0:
                     assert p.host_copy_core_bandwidth is not None
                     yield env.timeout(nbytes / p.host_copy_core_bandwidth * stretch)
-                wire_end = env.now
+                # cma copies inside the post call: the call returns when the copy is done (what
+                # NIXL's telemetry reports as the post), so the wire lies within the post
+                post_end = wire_end = env.now
         if peer_progress is not None:
             progressed = peer_progress(post_start)
             if progressed > env.now:

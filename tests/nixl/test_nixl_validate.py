@@ -21,6 +21,9 @@ def test_one_held_out_file_on_both_backends(nixl_required: None) -> None:
     # the simulator and NIXL's telemetry count the same descriptors, before and after coalescing
     assert r.descriptors_posted[0] == r.descriptors_posted[1]
     assert r.descriptors_coalesced[0] == r.descriptors_coalesced[1] is not None
+    # where the time goes, both sides: the post call (the copy inside it) and what follows it
+    assert len(r.post_seconds) == len(r.wire_seconds) == 2
+    assert all(t > 0 for t in r.post_seconds) and all(t >= 0 for t in r.wire_seconds)
     # the rank processes and the coordinator counted their CPU (what calibrate --host measures)
     ops = r.rank_cpu["by_op"]
     requests = 8  # the file's requests; one decode rank, one prefill rank
