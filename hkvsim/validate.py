@@ -19,7 +19,10 @@ real transfer, hkvsim's model applied to the descriptor lists the rank really po
 count in NIXL's telemetry (``coalesced_model`` vs ``coalesced``; they must agree). The machine's
 load average is recorded before every real run, and runs started above one runnable task per core
 are flagged; how fast the host ran against the profile's calibration (the real coordinator's CPU
-per call against the profile's, :func:`host_cpu_drift`) is reported and flagged beyond 1.5x.
+per call against the profile's, :func:`host_cpu_drift`; the real post calls' bytes per second
+against the simulated ones, :func:`host_copy_drift`) is reported and flagged beyond 1.5x. Per
+file, the steady requests' time is split on both sides into the post call (the copy inside it
+on CPU loopback), the rest to completion and what NIXL's telemetry does not cover.
 
 Nothing is fitted here: the numbers are what the shipped profile predicts.
 """
@@ -36,8 +39,9 @@ from typing import Any
 
 from .pd.cpu import merge_rank_cpu
 
-__all__ = ["ValidationError", "FileResult", "coalescing_model_check", "host_cpu_drift",
-           "steady_requests", "steady_phase_means", "steady_transfer_mean", "validate",
+__all__ = ["ValidationError", "FileResult", "coalescing_model_check", "host_copy_drift",
+           "host_cpu_drift", "post_call_totals", "steady_requests", "steady_phase_means",
+           "steady_transfer_mean", "validate",
            "with_profile", "write_outputs", "ACCEPT_MEDIAN", "ACCEPT_WORST"]
 
 ACCEPT_MEDIAN = 0.15  # issue #13: median |sim - real| / real over the held-out files
@@ -67,6 +71,9 @@ class FileResult:
     # to completion (NIXL telemetry on the real backend); sim, then each real run
     post_seconds: tuple[float, ...] = ()
     wire_seconds: tuple[float, ...] = ()
+    # every transfer's bytes and post call, summed per run (:func:`post_call_totals`): sim,
+    # then each real run
+    post_calls: tuple[tuple[int, float], ...] = ()
     # every real run's transfers: (checked, mismatching) where hkvsim's coalescing model on the
     # lists really posted and NIXL's telemetry were both known
     coalescing_model: tuple[int, int] = (0, 0)
@@ -159,6 +166,18 @@ def steady_phase_means(data: dict[str, Any]) -> tuple[float, float] | None:
         return None
     return (float(statistics.fmean(r["phases"]["post"] for r in steady)),
             float(statistics.fmean(r["phases"]["wire"] for r in steady)))
+
+
+def post_call_totals(data: dict[str, Any]) -> tuple[int, float]:
+    """(bytes, seconds) of every transfer of one run with a post time: the bytes its post
+    calls moved and the time they took (on CPU loopback the copy runs inside the call)."""
+    nbytes, seconds = 0, 0.0
+    for r in data.get("request_details") or []:
+        for t in r.get("telemetry") or []:
+            if t.get("post_seconds") is not None:
+                nbytes += int(t["nbytes"])
+                seconds += float(t["post_seconds"])
+    return nbytes, seconds
 
 
 def shown_path(path: Path | str) -> str:
@@ -305,6 +324,7 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
             outcomes=tuple(d["outcome"] for d in [sim, *real]),
             unexplained=tuple(float(steady_unexplained_mean(d) or 0.0)
                               for d in [sim, *real]),
+            post_calls=tuple(post_call_totals(d) for d in [sim, *real]),
             post_seconds=tuple(post for post, _ in phases),
             wire_seconds=tuple(wire for _, wire in phases),
             coalescing_model=(sum(c for c, _ in checks), sum(m for _, m in checks)),
@@ -342,6 +362,24 @@ def host_cpu_drift(results: Sequence[FileResult]) -> dict[str, float] | None:
             "ratio": round(real_us / profile_us, 2)}
 
 
+def host_copy_drift(results: Sequence[FileResult]) -> dict[str, float] | None:
+    """The post calls' pace on each side: bytes over the time of every post call of every
+    file (sim: the simulated run; real: every real run), in GB/s, and how many times as long
+    the real calls took for their bytes (``ratio``, > 1: the real copy was slower). On CPU
+    loopback the copy runs inside the call on both backends, so this follows the host's copy
+    speed against the profile's, apart from the coordinator's CPU (:func:`host_cpu_drift`).
+    None without a post call on either side."""
+    sim = [r.post_calls[0] for r in results if len(r.post_calls) >= 2]
+    real = [c for r in results if len(r.post_calls) >= 2 for c in r.post_calls[1:]]
+    sim_b, sim_s = sum(b for b, _ in sim), sum(t for _, t in sim)
+    real_b, real_s = sum(b for b, _ in real), sum(t for _, t in real)
+    if not (sim_b and sim_s > 0 and real_b and real_s > 0):
+        return None
+    sim_gbps, real_gbps = sim_b / sim_s / 1e9, real_b / real_s / 1e9
+    return {"sim_post_gbps": round(sim_gbps, 3), "real_post_gbps": round(real_gbps, 3),
+            "ratio": round(sim_gbps / real_gbps, 2)}
+
+
 def summary(results: Sequence[FileResult]) -> dict[str, Any]:
     errors = [abs(r.error) for r in results]
     cores = os.cpu_count() or 1
@@ -358,7 +396,8 @@ def summary(results: Sequence[FileResult]) -> dict[str, Any]:
                                    for r in results),
             "coalescing_model_checked": sum(r.coalescing_model[0] for r in results),
             "coalescing_model_mismatches": sum(r.coalescing_model[1] for r in results),
-            "host_cpu_drift": host_cpu_drift(results)}
+            "host_cpu_drift": host_cpu_drift(results),
+            "host_copy_drift": host_copy_drift(results)}
 
 
 def _ms(seconds: float) -> str:
@@ -418,6 +457,19 @@ def _drift_sentence(drift: dict[str, float] | None) -> str:
     return f"{said}: the host ran at about its calibration's speed."
 
 
+def _copy_sentence(drift: dict[str, float] | None) -> str:
+    if drift is None:
+        return "The post calls' pace is unknown (no post time on one side)."
+    ratio = drift["ratio"]
+    said = (f"The real post calls moved {drift['real_post_gbps']:g} GB/s (bytes over their "
+            f"time, every transfer of every run), the simulated ones {drift['sim_post_gbps']:g} "
+            f"GB/s")
+    if ratio > HOST_DRIFT_FLAG or ratio < 1 / HOST_DRIFT_FLAG:
+        return (f"{said}: **the real calls took {ratio:.2f}x as long for their bytes** (the "
+                "copy runs inside them on CPU loopback).")
+    return f"{said} ({ratio:.2f}x as long on the real side)."
+
+
 def _warm_up_clause(passes: int) -> str:
     if not passes:
         return ""
@@ -464,7 +516,7 @@ def markdown(results: Sequence[FileResult], meta: dict[str, Any]) -> str:
         f"{100 * ACCEPT_WORST:.0f} %: **{verdict}**). {_coalescing_sentence(results, s)} "
         f"{s['loaded_runs']} of {s['real_runs']} real runs started "
         f"with a 1-minute load average above the {s['cores']} core(s). "
-        f"{_drift_sentence(s['host_cpu_drift'])}", "",
+        f"{_drift_sentence(s['host_cpu_drift'])} {_copy_sentence(s['host_copy_drift'])}", "",
         "Where the time goes, per steady request (means; real: the median over runs): the "
         "post call of its critical (last-completing) transfer, on CPU loopback the copy "
         "included (UCX cma copies inside the call, and the simulator's host path does the "

@@ -9,8 +9,9 @@ import pytest
 
 from hkvsim.cli import main
 from hkvsim.validate import (FileResult, ValidationError, coalescing_model_check, markdown,
-                             steady_phase_means, steady_requests, steady_transfer_mean,
-                             steady_unexplained_mean, summary, validate, write_outputs)
+                             post_call_totals, steady_phase_means, steady_requests,
+                             steady_transfer_mean, steady_unexplained_mean, summary, validate,
+                             write_outputs)
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,3 +232,36 @@ def test_host_cpu_drift_compares_the_real_coordinator_with_the_profiles() -> Non
     assert summary([_with_coordinator(base, 100, 0.02, 0.0)])["host_cpu_drift"] is None
     assert summary([_with_coordinator(base, 0, 0.0, 200.0)])["host_cpu_drift"] is None
     assert "speed against the profile's calibration is unknown" in markdown([base], {})
+
+
+def test_post_call_totals_add_every_transfer_with_a_post_time() -> None:
+    data = {"request_details": [
+        {"telemetry": [{"nbytes": 1000, "post_seconds": 0.5},
+                       {"nbytes": 3000, "post_seconds": 1.0}]},
+        {"telemetry": None}, {"telemetry": [{"nbytes": 7, "post_seconds": None}]},
+        {"telemetry": [{"nbytes": 500, "post_seconds": 0.25}]}]}
+    assert post_call_totals(data) == (4500, 1.75)
+    assert post_call_totals({}) == (0, 0.0)
+
+
+def _with_posts(r: FileResult, *calls: tuple[int, float]) -> FileResult:
+    return FileResult(**{**r.__dict__, "post_calls": calls})
+
+
+def test_host_copy_drift_sets_the_real_post_calls_pace_against_the_simulated() -> None:
+    base = _result(1.0, (1.0,))
+    # sim 4 GB/s over both files (4e9 B in 1 s); real 0.6 GB/s over every real run (3e9 B in
+    # 5 s; the first real run of each file alone would say 1 GB/s)
+    slow = [_with_posts(base, (3 * 10**9, 0.75), (10**9, 1.0), (10**9, 3.0)),
+            _with_posts(base, (10**9, 0.25), (10**9, 1.0))]
+    drift = summary(slow)["host_copy_drift"]
+    assert drift == {"sim_post_gbps": 4.0, "real_post_gbps": 0.6, "ratio": 6.67}
+    text = markdown(slow, {})
+    assert "real post calls moved 0.6 GB/s" in text and "took 6.67x as long" in text
+    fast = [_with_posts(base, (10**9, 1.0), (10**9, 0.5))]  # flagged both ways
+    assert "**the real calls took 0.50x as long" in markdown(fast, {})
+    near = [_with_posts(base, (10**9, 1.0), (10**9, 1.2))]
+    assert "(1.20x as long on the real side)" in markdown(near, {})
+    assert summary([base])["host_copy_drift"] is None  # no post calls recorded
+    assert summary([_with_posts(base, (10**9, 1.0), (0, 0.0))])["host_copy_drift"] is None
+    assert "pace is unknown" in markdown([base], {})
