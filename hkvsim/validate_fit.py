@@ -66,8 +66,9 @@ from typing import Any
 
 import numpy as np
 
-from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, ValidationError, shown_path,
-                       steady_transfer_mean, summary, validate, with_profile)
+from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, ValidationError,
+                       resampled_sentence, shown_path, steady_transfer_mean, summary, validate,
+                       with_profile)
 
 __all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "HOST_KEYS", "check_load",
            "dispatch_split", "fit_host", "host_block", "measure_coordinator_message", "measured_cpu",
@@ -633,7 +634,8 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
         f"Held-out median |error| {100 * s['median_abs_error']:.0f} %, worst "
         f"{100 * s['worst_abs_error']:.0f} % (bounds: median <= {100 * ACCEPT_MEDIAN:.0f} %, "
         f"worst <= {100 * ACCEPT_WORST:.0f} %): **{verdict}**."
-        + (f" Why: {result['refused']}." if result["refused"] else ""),
+        + (f" Why: {result['refused']}." if result["refused"] else "")
+        + (f" {resampled_sentence(s.get('resampled'))}" if s.get("resampled") else ""),
     ]
     md = directory / "host-path.md"
     md.write_text("\n".join(lines) + "\n")

@@ -9,9 +9,9 @@ import pytest
 
 from hkvsim.cli import main
 from hkvsim.validate import (FileResult, ValidationError, coalescing_model_check, markdown,
-                             post_call_totals, steady_phase_means, steady_requests,
-                             steady_transfer_mean, steady_unexplained_mean, summary, validate,
-                             write_outputs)
+                             post_call_totals, resampled_verdict, steady_phase_means,
+                             steady_requests, steady_transfer_mean, steady_unexplained_mean,
+                             summary, validate, write_outputs)
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,3 +265,27 @@ def test_host_copy_drift_sets_the_real_post_calls_pace_against_the_simulated() -
     assert summary([base])["host_copy_drift"] is None  # no post calls recorded
     assert summary([_with_posts(base, (10**9, 1.0), (0, 0.0))])["host_copy_drift"] is None
     assert "pace is unknown" in markdown([base], {})
+
+
+def test_resampled_verdict_says_how_firmly_the_real_runs_decide() -> None:
+    # identical real runs: nothing to resample, the verdict is firm either way
+    firm = [_result(1.1, (1.0, 1.0, 1.0)), _result(0.9, (1.0, 1.0, 1.0))]
+    v = resampled_verdict(firm)
+    assert v["met_share"] == 1.0
+    assert v["median_abs_error_p5_p95"] == pytest.approx([0.1, 0.1])
+    assert v["worst_abs_error_p5_p95"] == pytest.approx([0.1, 0.1])
+    # one file's real runs straddle the worst bound: sim 1.0 against runs of 0.6, 1.0 and 2.0
+    # next to two exact files (the median |error| is always 0: only the worst bound decides)
+    shaky = [_result(1.0, (1.0, 1.0, 1.0))] * 2 + [_result(1.0, (0.6, 1.0, 2.0))]
+    v = resampled_verdict(shaky)
+    # a draw meets the bounds iff the shaky file's resampled median is 1.0 (|error| 0); with
+    # 0.6 it is +67 %, with 2.0 -50 %: P(median of 3 draws = 1.0) = 13/27
+    assert v["met_share"] == pytest.approx(13 / 27, abs=0.04)
+    assert v["median_abs_error_p5_p95"] == pytest.approx([0.0, 0.0])
+    assert v["worst_abs_error_p5_p95"] == pytest.approx([0.0, 2 / 3])
+    assert resampled_verdict(shaky) == v  # seeded: a report reproduces
+    text = markdown(shaky, {})
+    assert "Resampling each file's real runs (2,000 draws)" in text
+    assert f"met in {100 * v['met_share']:.0f} % of the draws" in text
+    assert "the verdict holds in every draw" in markdown(firm, {})
+    assert resampled_verdict([]) is None
