@@ -647,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--held-out", nargs="+", default=None, metavar="FILE",
                    help="--host: held-out scenario files (default: scenarios/validation/*.toml)")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
-                   help="--host: real runs per file, interleaved (default: 3)")
+                   help="--host: real runs per file, in one series over both sets, FIT and "
+                        "held-out files interleaved in every pass (default: 3)")
     p.add_argument("--warm-up", type=int, default=1, metavar="N",
                    help="--host: passes over every FIT and every held-out file on real NIXL "
                         "before the measured ones, left out of the fit and of the judgement "

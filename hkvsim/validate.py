@@ -42,7 +42,7 @@ from .pd.cpu import merge_rank_cpu
 __all__ = ["ValidationError", "FileResult", "coalescing_model_check", "host_copy_drift",
            "host_cpu_drift", "post_call_totals", "resampled_verdict", "resampled_sentence",
            "steady_requests", "steady_phase_means",
-           "steady_transfer_mean", "validate",
+           "steady_transfer_mean", "validate", "measure_real", "judge", "RealRuns",
            "with_profile", "write_outputs", "ACCEPT_MEDIAN", "ACCEPT_WORST"]
 
 ACCEPT_MEDIAN = 0.15  # issue #13: median |sim - real| / real over the held-out files
@@ -247,63 +247,84 @@ def with_profile(scenario: Any, profile: Path | None = None,
     return scenario.model_copy(update={"fabric": fabric.model_copy(update=update)})
 
 
-def validate(files: Sequence[Path], *, repeats: int = 3,
-             progress: Callable[[str], None] | None = None,
-             profile: Path | None = None, timing_only: bool = False,
-             warm_up: int = 0) -> list[FileResult]:
-    """Run every file on both backends (see the module docstring). ``profile``: simulate with
-    this profile file instead of the one each scenario names (the real runs are unaffected).
-    ``timing_only``: both backends move the bytes but run no oracle, so the real ranks spend no
-    CPU on filling and checking pages while other requests' copies run (what a deployment does;
-    the default measures the verified runs). ``warm_up``: passes over every file on real NIXL
-    before the measured ones, left out of every figure (``FileResult.warm_up_seconds``)."""
-    from .drivers.nixl import run_scenario_nixl
-    from .drivers.sim import run_scenario
-    from .fabric.profile import load_profile
-    from .results import result_json
+@dataclass
+class RealRuns:
+    """One file's real NIXL runs (:func:`measure_real`): every measured run's
+    ``result_json(..., requests=True)``, the 1-minute load average before each, and the
+    steady-state means of its warm-up runs (left out of every figure)."""
 
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+    warm_up_seconds: list[float] = field(default_factory=list)
+
+
+def _check_counts(repeats: int, warm_up: int) -> None:
     if repeats < 1:
         raise ValidationError(f"--repeats {repeats}: expected an integer >= 1")
     if warm_up < 0:
         raise ValidationError(f"--warm-up {warm_up}: expected an integer >= 0")
+
+
+def measure_real(files: Sequence[Path], *, repeats: int = 3,
+                 progress: Callable[[str], None] | None = None, timing_only: bool = False,
+                 warm_up: int = 0) -> list[RealRuns]:
+    """Run every file on real NIXL: ``warm_up`` passes over all of them first (left out),
+    then ``repeats`` passes, interleaved across the files (file 1, 2, ..., then again), so a
+    slow minute of the machine spreads over every file instead of landing on one. One
+    :class:`RealRuns` per file, in ``files`` order."""
+    from .drivers.nixl import run_scenario_nixl
+    from .results import result_json
+
+    _check_counts(repeats, warm_up)
     scenarios = _load(files)
     say = progress or (lambda _text: None)
-    sims, call_us = [], []
-    for f, s in zip(files, scenarios):
-        simulated = with_profile(s, profile)
-        call_us.append(load_profile(simulated.fabric.profile,
-                                    overrides=dict(simulated.fabric.overrides)
-                                    ).coordinator_call * 1e6)
-        sims.append(result_json(run_scenario(simulated, timing_only=timing_only),
-                                requests=True))
-        say(f"sim {f.name}")
-    warm: list[list[float]] = [[] for _ in scenarios]
+    out = [RealRuns() for _ in scenarios]
     for rep in range(warm_up):
-        for i, (f, s) in enumerate(zip(files, scenarios)):
+        for f, s, real in zip(files, scenarios, out):
             data = result_json(run_scenario_nixl(s, timing_only=timing_only), requests=True)
             t = steady_transfer_mean(data)
             if t is not None:
-                warm[i].append(float(t))
+                real.warm_up_seconds.append(float(t))
             say(f"nixl {f.name} (warm-up {rep + 1}/{warm_up}, left out)")
-    reals: list[list[dict[str, Any]]] = [[] for _ in scenarios]
-    loads: list[list[float]] = [[] for _ in scenarios]
     for rep in range(repeats):
-        for i, (f, s) in enumerate(zip(files, scenarios)):
-            loads[i].append(os.getloadavg()[0])
-            reals[i].append(result_json(run_scenario_nixl(s, timing_only=timing_only),
-                                        requests=True))
+        for f, s, real in zip(files, scenarios, out):
+            real.loads.append(os.getloadavg()[0])
+            real.runs.append(result_json(run_scenario_nixl(s, timing_only=timing_only),
+                                         requests=True))
             say(f"nixl {f.name} ({rep + 1}/{repeats})")
+    return out
+
+
+def judge(files: Sequence[Path], reals: Sequence[RealRuns], *,
+          progress: Callable[[str], None] | None = None, profile: Path | None = None,
+          timing_only: bool = False) -> list[FileResult]:
+    """Simulate every file (with ``profile`` instead of the one each scenario names, when
+    given) and set it against its real runs (:func:`measure_real`, same order)."""
+    from .drivers.sim import run_scenario
+    from .fabric.profile import load_profile
+    from .results import result_json
+
+    scenarios = _load(files)
+    if len(reals) != len(scenarios):
+        raise ValidationError(f"{len(scenarios)} files but {len(reals)} sets of real runs; "
+                              "allowed: one set per file, in the same order")
+    say = progress or (lambda _text: None)
     out = []
-    for f, s, sim, real, load, warm_t, call in zip(files, scenarios, sims, reals, loads, warm,
-                                                   call_us):
+    for f, s, measured in zip(files, scenarios, reals):
+        simulated = with_profile(s, profile)
+        call = load_profile(simulated.fabric.profile,
+                            overrides=dict(simulated.fabric.overrides)).coordinator_call * 1e6
+        sim = result_json(run_scenario(simulated, timing_only=timing_only), requests=True)
+        say(f"sim {f.name}")
+        real = measured.runs
         sim_t = steady_transfer_mean(sim)
         real_t = [steady_transfer_mean(r) for r in real]
         bad = [d["outcome"] for d in [sim, *real] if d["outcome"] != "ok"]
-        if sim_t is None or any(t is None for t in real_t) or bad:
+        if not real or sim_t is None or any(t is None for t in real_t) or bad:
             raise ValidationError(f"{f}: a run did not complete its steady-state requests "
                                   f"(outcomes: sim {sim['outcome']}, real "
-                                  f"{', '.join(r['outcome'] for r in real)}); a validation "
-                                  f"file must run cleanly on both backends")
+                                  f"{', '.join(r['outcome'] for r in real) or 'none'}); a "
+                                  "validation file must run cleanly on both backends")
         checks = [coalescing_model_check(r) for r in real]
         phases = [steady_phase_means(d) or (0.0, 0.0) for d in [sim, *real]]
         verified = {bool(d.get("verified")) for d in [sim, *real]}
@@ -317,7 +338,7 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
             file=shown_path(f), scenario=s.scenario.name,
             profile=_shown_profile(profile) if profile is not None else s.fabric.profile,
             sim_seconds=sim_t, real_seconds=tuple(float(t) for t in real_t if t is not None),
-            loads=tuple(load),
+            loads=tuple(measured.loads),
             descriptors_posted=(sim["requests"]["descriptors_posted"],
                                 real[0]["requests"]["descriptors_posted"]),
             descriptors_coalesced=(sim["requests"]["descriptors_coalesced"],
@@ -333,8 +354,28 @@ def validate(files: Sequence[Path], *, repeats: int = 3,
             rank_cpu=merge_rank_cpu([r["rank_cpu"] for r in real if r.get("rank_cpu")]),
             transfers=sum(len(q.get("telemetry") or []) for r in real
                           for q in r.get("request_details") or []),
-            warm_up_seconds=tuple(warm_t), profile_coordinator_call_us=float(call)))
+            warm_up_seconds=tuple(measured.warm_up_seconds),
+            profile_coordinator_call_us=float(call)))
     return out
+
+
+def validate(files: Sequence[Path], *, repeats: int = 3,
+             progress: Callable[[str], None] | None = None,
+             profile: Path | None = None, timing_only: bool = False,
+             warm_up: int = 0) -> list[FileResult]:
+    """Run every file on both backends (see the module docstring): :func:`measure_real`, then
+    :func:`judge`. ``profile``: simulate with this profile file instead of the one each
+    scenario names (the real runs are unaffected). ``timing_only``: both backends move the
+    bytes but run no oracle, so the real ranks spend no CPU on filling and checking pages
+    while other requests' copies run (what a deployment does; the default measures the
+    verified runs). ``warm_up``: passes over every file on real NIXL before the measured ones,
+    left out of every figure (``FileResult.warm_up_seconds``)."""
+    _check_counts(repeats, warm_up)
+    for s in _load(files):  # bad input (a profile that does not load) fails before real runs
+        with_profile(s, profile)
+    reals = measure_real(files, repeats=repeats, progress=progress, timing_only=timing_only,
+                         warm_up=warm_up)
+    return judge(files, reals, progress=progress, profile=profile, timing_only=timing_only)
 
 
 #: Host CPU per coordinator call this many times the profile's (or its inverse) is flagged.

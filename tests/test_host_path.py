@@ -222,19 +222,25 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
     fit_files = sorted((ROOT / "scenarios/fit").glob("*.toml"))[:2]
     held_files = sorted((ROOT / "scenarios/validation").glob("*.toml"))[:3]
     seen: list[Path | None] = []
-    warm_ups: list[int] = []
+    series: list[tuple[list[Path], int]] = []
 
-    def fake_validate(files: list[Path], *, repeats: int, progress: Any,
-                      profile: Path | None, warm_up: int) -> list[FileResult]:
+    def fake_measure(files: list[Path], *, repeats: int, progress: Any,
+                     warm_up: int) -> list[Any]:
+        series.append((list(files), warm_up))
+        return [f"real runs of {f.name}" for f in files]
+
+    def fake_judge(files: list[Path], reals: list[Any], *, progress: Any,
+                   profile: Path | None) -> list[FileResult]:
         seen.append(profile)
-        warm_ups.append(warm_up)
+        assert reals == [f"real runs of {f.name}" for f in files]  # each file its own runs
         if files == fit_files:  # the FIT runs: sim on the input profile, real = 1 ms
             return [_result(str(f), 0.5e-3, 1e-3) for f in files]
         text = Path(profile).read_text()  # the candidate carries the fitted constants
         assert "host_copy_core_gbps = 1.0" in text
         return [_result(str(f), 1e-3 * (1 + held_err), 1e-3) for f in files]
 
-    monkeypatch.setattr(vf, "validate", fake_validate)
+    monkeypatch.setattr(vf, "measure_real", fake_measure)
+    monkeypatch.setattr(vf, "judge", fake_judge)
     monkeypatch.setattr(vf, "measure_coordinator_message", lambda: 10e-6)
     monkeypatch.setattr(vf, "measured_cpu", lambda results, unprepped: {
         "oracle_core_gbps": 4.0, "oracle_op_us": 0.0, "oracle_ops": 4, "rank_dispatch_us": 200.0,
@@ -253,10 +259,14 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
                                "profiles/cpu-ucx-loopback.toml", profile_out=out,
                                report_dir=tmp_path / "rep", repeats=3, warm_up=2)
     assert result["accepted"] is accepted
-    assert warm_ups == [2, 2]  # the FIT runs and the held-out runs each start with 2 passes
+    # one real series over both sets (interleaved: both see the same machine), after 2 passes
+    assert series == [([*fit_files, *held_files], 2)]
+    # the FIT set judged with the input profile, the held-out set with the candidate
+    assert seen[0] == ROOT / "hkvsim/fabric/profiles/cpu-ucx-loopback.toml" != seen[1]
     assert out.exists() is accepted
     report = (tmp_path / "rep/host-path.md").read_text()
-    assert "after 2 warm-up pass(es) over the set whose runs are left out" in report
+    assert "in one series over both sets" in report
+    assert "after 2 warm-up pass(es) over both sets whose runs are left out" in report
     # how firmly the held-out runs decide it (validate.resampled_verdict), in the report too
     assert "Resampling each file's real runs (2,000 draws)" in report
     # (runs 10 % apart around 1 ms: an error of 10 % is met in most draws, 20 % in few)

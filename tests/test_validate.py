@@ -289,3 +289,13 @@ def test_resampled_verdict_says_how_firmly_the_real_runs_decide() -> None:
     assert f"met in {100 * v['met_share']:.0f} % of the draws" in text
     assert "the verdict holds in every draw" in markdown(firm, {})
     assert resampled_verdict([]) is None
+
+
+def test_judge_needs_one_set_of_real_runs_per_file() -> None:
+    from hkvsim.validate import RealRuns, judge
+
+    files = [ROOT / "scenarios" / "validation" / "llama-pull-1to1-strided.toml"]
+    with pytest.raises(ValidationError, match="1 files but 2 sets of real runs"):
+        judge(files, [RealRuns(), RealRuns()])
+    with pytest.raises(ValidationError, match="a run did not complete its steady-state"):
+        judge(files, [RealRuns()])  # no real run at all: nothing to set the sim against
