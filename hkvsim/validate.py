@@ -39,11 +39,11 @@ from typing import Any
 
 from .pd.cpu import merge_rank_cpu
 
-__all__ = ["ValidationError", "FileResult", "coalescing_model_check", "host_copy_drift",
-           "host_cpu_drift", "post_call_totals", "resampled_verdict", "resampled_sentence",
-           "steady_requests", "steady_phase_means",
-           "steady_transfer_mean", "validate", "measure_real", "judge", "RealRuns",
-           "with_profile", "write_outputs", "ACCEPT_MEDIAN", "ACCEPT_WORST"]
+__all__ = ["ValidationError", "FileResult", "RealRuns", "coalescing_model_check",
+           "host_copy_drift", "host_cpu_drift", "judge", "measure_real", "post_call_totals",
+           "resampled_sentence", "resampled_verdict", "steady_phase_means", "steady_requests",
+           "steady_transfer_mean", "validate", "with_profile", "write_outputs", "ACCEPT_MEDIAN",
+           "ACCEPT_WORST"]
 
 ACCEPT_MEDIAN = 0.15  # issue #13: median |sim - real| / real over the held-out files
 ACCEPT_WORST = 0.40  # and the worst file

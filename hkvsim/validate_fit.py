@@ -48,9 +48,9 @@ Procedure (nothing here looks at the held-out files until the constants are fixe
    on repeated fits of this machine it moved far less than the median-|error| criterion tried
    first, which jumped between 0.9 GB/s + 1 us and 3.6 GB/s + 2.3 ms).
 4. The candidate profile (the shipped profile's sweep-fitted keys + the host constants)
-   simulates the held-out files, set against their real runs from step 2; if the held-out median |error| exceeds
-   :data:`ACCEPT_MEDIAN` or the worst exceeds :data:`ACCEPT_WORST`, no profile is written and
-   the per-file errors say why.
+   simulates the held-out files, set against their real runs from step 2; if the held-out
+   median |error| exceeds :data:`ACCEPT_MEDIAN` or the worst exceeds :data:`ACCEPT_WORST`, no
+   profile is written and the per-file errors say why.
 """
 
 from __future__ import annotations
@@ -500,9 +500,9 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
     say(f"load average {load0:.2f} on {cores} core(s)")
     coord_us = round(measure_coordinator_message() * 1e6, 1)
     say(f"coordinator message {coord_us} us")
-    # the real runs of both sets in one interleaved series (FIT and held-out files alternate
-    # in every pass), so both sets see the same hours of a drifting machine; nothing of the
-    # held-out runs is looked at until the constants are fixed
+    # the real runs of both sets in one interleaved series (every pass runs each FIT file,
+    # then each held-out file), so both sets see the same hours of a drifting machine; nothing
+    # of the held-out runs is looked at until the constants are fixed
     reals = measure_real([*fit_files, *held_out_files], repeats=repeats, progress=say,
                          warm_up=warm_up)
     fit_real = judge(fit_files, reals[:len(fit_files)], progress=say, profile=profile_in)
