@@ -207,6 +207,9 @@ class Fabric:
     :class:`Endpoint`; every ``initiator``/``src``/``dst`` passed later must be one of its keys.
     ``link_log`` collects closed :class:`LinkSegment` records (per link, piecewise-constant
     aggregate rate) for utilisation plots; :meth:`link_segments` adds the still-open ones.
+    While the run goes on they are kept as plain tuples of their fields (numbers and the
+    link's name: the garbage collector untracks them, a long run keeps ~18 per request) and
+    become :class:`LinkSegment` when ``link_log`` or :meth:`link_segments` is read.
     """
 
     def __init__(
@@ -252,7 +255,8 @@ class Fabric:
         self._nflows = 0
         self._last_update = env.now
         self._timer_gen = 0
-        self.link_log: list[LinkSegment] = []
+        self._log: list[Any] = []  # closed segments: LinkSegment fields as plain tuples ...
+        self._named = 0  # ... except the first _named, made LinkSegment when the log was read
         # (group index, flows) of every active group, flattened -> (their rates, (flows, rate)
         # of every link, flattened); numbers only, so the garbage collector does not track them
         self._rate_memo: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[Any, ...]]] = {}
@@ -414,6 +418,15 @@ class Fabric:
     def active_flows(self) -> int:
         """Number of flows currently on the wire."""
         return self._nflows
+
+    @property
+    def link_log(self) -> list[LinkSegment]:
+        """The closed segments, in the order they closed (the list the fabric appends to)."""
+        log = self._log
+        for i in range(self._named, len(log)):  # in place: each plain tuple is freed at once
+            log[i] = _new_tuple(LinkSegment, log[i])
+        self._named = len(log)
+        return log
 
     def link_segments(self) -> list[LinkSegment]:
         """``link_log`` plus the segments still open at ``env.now`` (truncated there)."""
@@ -668,9 +681,8 @@ class Fabric:
             link = links[i]
             nflows, rate = loads[2 * i], loads[2 * i + 1]
             if link.seg_rate > 0 and now > link.seg_start:
-                self.link_log.append(_new_tuple(LinkSegment, (
-                    link.name, link.seg_start, now, link.seg_rate, link.capacity,
-                    link.seg_flows)))
+                self._log.append((link.name, link.seg_start, now, link.seg_rate,
+                                  link.capacity, link.seg_flows))
             link.seg_start, link.seg_rate, link.seg_flows = now, rate, nflows
 
     def _arm_timer(self) -> None:

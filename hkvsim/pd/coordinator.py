@@ -313,6 +313,16 @@ class Coordinator:
         self._signal_activity()
         self._run()
 
+    def has_effects(self) -> bool:
+        """Whether effects wait to be taken (after an input: only then can flows be ready, as
+        every input runs the flows until they are blocked by effects or none is ready)."""
+        return bool(self._effects)
+
+    def timers_made(self) -> int:
+        """How many timers the coordinator has made so far: while unchanged, ``next_timer()``
+        can only have moved later (timers only fire or are cancelled)."""
+        return self.sched.timers_made
+
     def run_ready(self) -> None:
         """Let flows that are ready run until they need the driver (calls to carry out). The
         coordinator stops running as soon as a flow makes calls, so a driver that answers at once

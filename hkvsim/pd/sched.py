@@ -77,6 +77,9 @@ class Scheduler:
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = count()
         self.tasks = 0  # alive
+        # timers created so far: while it is unchanged, the earliest deadline can only have
+        # moved later (timers are only ever fired or cancelled), which a driver's timer uses
+        self.timers_made = 0
 
     # ---- signals ------------------------------------------------------------------------------
     def signal(self, *, urgent: bool = False) -> Signal:
@@ -88,6 +91,7 @@ class Scheduler:
     def at(self, deadline: float) -> Timer:
         timer = Timer(self, deadline)
         heapq.heappush(self._timers, (deadline, next(self._seq), timer))
+        self.timers_made += 1
         return timer
 
     def any_of(self, signals: Iterable[Signal]) -> Signal:

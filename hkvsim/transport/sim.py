@@ -508,14 +508,16 @@ class SimTransport:
         return PROC
 
     def _fail(self, x: _Xfer, reason: str, timing: Any = None) -> None:
-        x.timing = timing
+        x.timing = None if timing is None else tuple(timing)
         if x.state == PROC:
             x.state, x.error = ERR, reason
             self._finished.append(x.handle)
         self.world._wake(self.name)
 
     def _complete(self, x: _Xfer, timing: Any) -> None:
-        x.timing = timing
+        # the TransferTiming's fields as a plain tuple: numbers and the (shared) path, which the
+        # garbage collector untracks (a long run keeps every transfer's record to its end)
+        x.timing = tuple(timing)
         if x.released or x.state != PROC:
             return
         me, remote = self.world.agent(self.name), self.world.agent(x.remote.agent)
@@ -647,13 +649,14 @@ class SimTransport:
         if x is None:
             raise TransportError(f"{self.name}: get_xfer_telemetry of unknown transfer handle "
                                  f"{handle}")
-        t = x.timing
+        t = x.timing  # TransferTiming's fields, in order, as a plain tuple
         if t is None:
             return XferTelemetry(nbytes=x.nbytes, descriptors=x.rows if x.rows is not None
                                  else int(x.local_ids.size),
                                  post_seconds=0.0, transfer_seconds=0.0, submitted=x.submitted,
                                  completed=None, coalesced=x.coalesced)
+        submitted, post_start, post_end, _, _, done, _, _, path = t
         return XferTelemetry(nbytes=x.nbytes, descriptors=x.rows if x.rows is not None
-                             else int(x.local_ids.size), post_seconds=t.post_end - t.post_start,
-                             transfer_seconds=t.done - t.post_end, submitted=t.submitted,
-                             completed=t.done, path=tuple(t.path), coalesced=x.coalesced)
+                             else int(x.local_ids.size), post_seconds=post_end - post_start,
+                             transfer_seconds=done - post_end, submitted=submitted,
+                             completed=done, path=tuple(path), coalesced=x.coalesced)
