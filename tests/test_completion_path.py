@@ -14,28 +14,11 @@ from hkvsim.drivers.sim import _SimLoop
 from hkvsim.fabric import Fabric, load_profile, place_engines
 from hkvsim.fabric.links import LinkSegment
 from hkvsim.pd.ops import Outcome
-from hkvsim.scenario import parse_scenarios
-
-TEXT = """
-[scenario]
-name = "completion path"
-seed = 1
-[model]
-preset = "tiny-llama"
-[prefill]
-tp = 1
-[decode]
-tp = 2
-[workload]
-requests = 3
-prompt_tokens = 64
-verify = false
-"""
+from tiny_timing_scenario import tiny_timing_driver
 
 
 def _driver() -> SimDriver:
-    (scenario,) = parse_scenarios(TEXT)
-    return SimDriver(scenario, timing_only=True)
+    return tiny_timing_driver("completion path", decode_tp=2, requests=3)
 
 
 class _Coord:

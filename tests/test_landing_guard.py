@@ -7,29 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from hkvsim.cluster import SimDriver
-from hkvsim.scenario import parse_scenarios
-
-TEXT = """
-[scenario]
-name = "landing guard"
-seed = 1
-[model]
-preset = "tiny-llama"
-[prefill]
-tp = 1
-[decode]
-tp = 1
-num_blocks = 16
-[workload]
-requests = 1
-prompt_tokens = 64
-verify = false
-"""
+from tiny_timing_scenario import tiny_timing_driver
 
 
 def _driver() -> tuple[SimDriver, str, int, object]:
-    (scenario,) = parse_scenarios(TEXT)
-    driver = SimDriver(scenario, timing_only=True)
+    driver = tiny_timing_driver("landing guard", num_blocks=16)
     agent = next(a for a, rank in driver._agent_rank.items() if rank[0].startswith("decode"))
     rank = driver._agent_rank[agent]
     engine = driver.coord.engine(rank[0])
