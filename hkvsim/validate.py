@@ -514,6 +514,11 @@ def _coalescing_sentence(results: Sequence[FileResult], s: dict[str, Any]) -> st
             f"posted, {verdict} NIXL's telemetry ({checked:,} transfers checked).")
 
 
+def _flagged(ratio: float) -> bool:
+    """A drift ratio beyond :data:`HOST_DRIFT_FLAG` either way."""
+    return ratio > HOST_DRIFT_FLAG or ratio < 1 / HOST_DRIFT_FLAG
+
+
 def _drift_sentence(drift: dict[str, float] | None) -> str:
     if drift is None:
         return ("The host's speed against the profile's calibration is unknown (the profile "
@@ -552,7 +557,7 @@ def _copy_sentence(drift: dict[str, float] | None) -> str:
     said = (f"The real post calls moved {drift['real_post_gbps']:g} GB/s (bytes over their "
             f"time, every transfer of every run), the simulated ones {drift['sim_post_gbps']:g} "
             f"GB/s")
-    if ratio > HOST_DRIFT_FLAG or ratio < 1 / HOST_DRIFT_FLAG:
+    if _flagged(ratio):
         return (f"{said}: **the real calls took {ratio:.2f}x as long for their bytes** (the "
                 "copy runs inside them on CPU loopback).")
     return f"{said} ({ratio:.2f}x as long on the real side)."
