@@ -527,7 +527,7 @@ def _drift_sentence(drift: dict[str, float] | None) -> str:
     said = (f"The real coordinator spent {drift['real_coordinator_call_us']:g} us of CPU per call "
             f"it sent a rank, {ratio:.2f}x the {drift['profile_coordinator_call_us']:g} us the "
             "profile's calibration measured for the same work")
-    if ratio > HOST_DRIFT_FLAG or ratio < 1 / HOST_DRIFT_FLAG:
+    if _flagged(ratio):
         pace = "slower" if ratio > 1 else "faster"
         return (f"{said}: **the host ran {pace} than when the profile was calibrated**, so the "
                 "errors above measure that drift as well as the model (recalibrate with "
