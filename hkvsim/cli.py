@@ -656,6 +656,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="fit even when the 1-minute load average exceeds the core count "
                         "(refused otherwise; the load is recorded either way)")
+    p.add_argument("--replay", default=None, metavar="JSON",
+                   help="--host: instead of real runs, refit the per-core rate and notice on "
+                        "the FIT real runs stored in a calibration's JSON (host-path.json or "
+                        "host-path-refused.json) with the code as it is now, and judge the "
+                        "held-out files on their stored runs; needs no NIXL, writes nothing "
+                        "(exit 0 within the bounds, 1 outside)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("validate", help="run held-out scenario files on the simulator and on "

@@ -51,6 +51,10 @@ Procedure (nothing here looks at the held-out files until the constants are fixe
    simulates the held-out files, set against their real runs from step 2; if the held-out
    median |error| exceeds :data:`ACCEPT_MEDIAN` or the worst exceeds :data:`ACCEPT_WORST`, no
    profile is written and the per-file errors say why.
+
+:func:`replay_host` (``calibrate --host --replay FILE``) repeats steps 3 and 4 on the real runs
+a calibration stored in its JSON, with the code as it is now: a change to the model is scored
+against a machine's measurements without running anything real, and nothing is written.
 """
 
 from __future__ import annotations
@@ -71,12 +75,13 @@ from typing import Any
 import numpy as np
 
 from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, ValidationError, judge,
-                       measure_real, resampled_sentence, shown_path, steady_transfer_mean,
-                       summary, with_profile)
+                       measure_real, resampled_sentence, resampled_verdict, shown_path,
+                       steady_transfer_mean, summary, with_profile)
 
 __all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "HOST_KEYS", "check_load",
            "dispatch_split", "fit_host", "host_block", "measure_coordinator_message", "measured_cpu",
-           "oracle_cost", "rank_poll_periods_us", "replace_host_block", "calibrate_host"]
+           "oracle_cost", "rank_poll_periods_us", "replace_host_block", "calibrate_host",
+           "ReplayedFile", "replay_host"]
 
 #: Per-core copy rates tried (GB/s): geometric, 1 .. ~14.6 (x 1.25).
 GRID_GBPS: tuple[float, ...] = tuple(round(1.25 ** k, 4) for k in range(0, 13))
@@ -649,3 +654,101 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
     md.write_text("\n".join(lines) + "\n")
     (directory / "host-path.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     return md
+
+
+# ---- replay: refit and judge on a calibration's stored real runs -------------------------------
+@dataclass(frozen=True)
+class ReplayedFile:
+    """One file of a replayed calibration: simulated now, real as stored."""
+
+    file: str
+    sim_seconds: float
+    real_seconds: tuple[float, ...]
+
+    @property
+    def real_median(self) -> float:
+        return float(statistics.median(self.real_seconds))
+
+    @property
+    def error(self) -> float:
+        return (self.sim_seconds - self.real_median) / self.real_median
+
+
+def _stored_files(record: Any, key: str) -> list[tuple[Path, tuple[float, ...]]]:
+    """``record[key]`` (a calibration JSON's ``fit_files`` / ``held_out_files``) as (scenario
+    file, real steady-state means); ValidationError naming what is wrong."""
+    entries = record.get(key) if isinstance(record, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValidationError(f"replay: {key!r} missing or empty; allowed: the JSON that "
+                              "`hkvsim calibrate --host` writes (host-path.json or "
+                              "host-path-refused.json)")
+    out = []
+    for i, entry in enumerate(entries):
+        try:
+            path = Path(str(entry["file"]))
+            real = tuple(float(x) for x in entry["real_seconds"])
+        except (KeyError, TypeError, ValueError):
+            raise ValidationError(f"replay: {key}[{i}] needs 'file' (a path) and 'real_seconds' "
+                                  "(a list of seconds)") from None
+        if not real or min(real) <= 0:
+            raise ValidationError(f"replay: {key}[{i}] ({path}): real_seconds must hold at "
+                                  "least one positive time")
+        if not path.is_file():
+            raise ValidationError(f"replay: {key}[{i}]: scenario file {path} not found (paths "
+                                  "are relative to the directory the calibration ran in; run "
+                                  "the replay from the repository root)")
+        out.append((path, real))
+    return out
+
+
+def replay_host(record: Any, *, profile_in: Path, grid: Sequence[float] = GRID_GBPS,
+                notice_grid: Sequence[float] = GRID_NOTICE_US) -> dict[str, Any]:
+    """Refit and judge a ``calibrate --host`` run on its stored real runs with the code as it
+    is now (what a change to the host-path model would have scored on that machine), without
+    running anything real. The measured constants are the record's (measured then); the
+    per-core rate and the completion notice are refitted on the FIT files' stored real medians
+    (:func:`fit_host`), and the held-out files are simulated with the candidate and set against
+    their stored runs. Nothing is written: the held-out runs of a record have been looked at
+    before, so a replay explores a model change; only a fresh calibration may accept one."""
+    if not isinstance(record, dict) or not isinstance(record.get("fit"), dict):
+        raise ValidationError("replay: no 'fit' object; allowed: the JSON that `hkvsim "
+                              "calibrate --host` writes")
+    known = set(HostFit.__dataclass_fields__)
+    unknown = sorted(set(record["fit"]) - known)
+    if unknown:
+        raise ValidationError(f"replay: unknown fit key(s) {', '.join(unknown)}; allowed: "
+                              f"{', '.join(sorted(known))}")
+    try:
+        base = HostFit(**record["fit"])
+    except TypeError as exc:
+        raise ValidationError(f"replay: fit: {exc}") from None
+    fit_stored = _stored_files(record, "fit_files")
+    held_stored = _stored_files(record, "held_out_files")
+    fit_scen = _load_files([p for p, _ in fit_stored])
+    held_scen = _load_files([p for p, _ in held_stored])
+    fit, fit_sims = fit_host(fit_scen, [float(statistics.median(r)) for _, r in fit_stored],
+                             base=base, profile=profile_in, grid=grid, notice_grid=notice_grid)
+    meta = dict(record.get("meta") or {})
+    meta.setdefault("when", "?")
+    block_meta = {"fit_source": "?", "held_out_source": "?", "fit_files": len(fit_stored),
+                  "repeats": "?", "load_min": 0.0, "load_max": 0.0, "forced": False,
+                  **meta, "held_out_median": "?", "held_out_worst": "?"}
+    with tempfile.TemporaryDirectory() as tmp:
+        trial = Path(tmp) / "candidate.toml"
+        trial.write_text(replace_host_block(Path(profile_in).read_text(),
+                                            host_block(fit, block_meta)))
+        held_sims = [_sim(s, trial, {}) for s in held_scen]
+    fitted = [ReplayedFile(shown_path(p), s, r) for (p, r), s in zip(fit_stored, fit_sims)]
+    held = [ReplayedFile(shown_path(p), s, r) for (p, r), s in zip(held_stored, held_sims)]
+    errors = [abs(r.error) for r in held]
+    median, worst = float(statistics.median(errors)), max(errors)
+    return {"measured_at": meta["when"], "fit": asdict(fit),
+            "stored_fit": asdict(base),
+            "fit_files": [{"file": r.file, "sim_seconds": r.sim_seconds,
+                           "real_median": r.real_median, "error": r.error} for r in fitted],
+            "held_out_files": [{"file": r.file, "sim_seconds": r.sim_seconds,
+                                "real_median": r.real_median, "error": r.error} for r in held],
+            "held_out_median": median, "held_out_worst": worst,
+            "within_bounds": median <= ACCEPT_MEDIAN and worst <= ACCEPT_WORST,
+            "resampled": resampled_verdict(held),  # type: ignore[arg-type]
+            "profile_written": None}

@@ -657,6 +657,8 @@ def calibrate(*, quick: bool = False, budget: float = 150.0, profile_out: Path |
 
 def run_calibration_cli(args: Any) -> int:
     """``hkvsim calibrate``: exit 0 when the fit meets the acceptance (median error < 15 %)."""
+    if getattr(args, "replay", None) is not None:  # stored runs only: no NIXL needed
+        return _run_replay_cli(args)
     from ..transport.nixl import NixlUnavailable, load_nixl
 
     try:
@@ -756,3 +758,51 @@ def _run_host_cli(args: Any) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _run_replay_cli(args: Any) -> int:
+    """``hkvsim calibrate --host --replay JSON``: exit 0 when the replayed held-out errors are
+    within the bounds, 1 when not, 2 on bad input. Writes nothing."""
+    from ..validate import ACCEPT_MEDIAN, ACCEPT_WORST, ValidationError, resampled_sentence
+    from ..validate_fit import replay_host
+
+    if not getattr(args, "host", False):
+        print("hkvsim: error: --replay needs --host (it replays a host-path calibration)",
+              file=sys.stderr)
+        return 2
+    source = Path(args.replay)
+    try:
+        record = json.loads(source.read_text())
+    except OSError as exc:
+        print(f"hkvsim: error: --replay {source}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as exc:
+        print(f"hkvsim: error: --replay {source}: not JSON ({exc})", file=sys.stderr)
+        return 2
+    try:
+        result = replay_host(record, profile_in=DEFAULT_PROFILE)
+    except ValidationError as exc:
+        print(f"hkvsim: error: --replay {source}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        f = result["fit"]
+        print(f"replay of {source} (real runs measured {result['measured_at']}); refitted: "
+              f"{f['core_gbps']} GB/s per core, completion notice {f['completion_notice_us']} us "
+              f"(stored: {result['stored_fit']['core_gbps']} GB/s, "
+              f"{result['stored_fit']['completion_notice_us']} us)")
+        for title, key in (("FIT, in sample", "fit_files"), ("held out", "held_out_files")):
+            print(f"{title}:")
+            for r in result[key]:
+                print(f"  {Path(r['file']).name}: sim {1e3 * r['sim_seconds']:.3f} ms, real "
+                      f"median {1e3 * r['real_median']:.3f} ms, error {100 * r['error']:+.0f} %")
+        within = "within" if result["within_bounds"] else "outside"
+        print(f"held-out median |error| {100 * result['held_out_median']:.1f} %, worst "
+              f"{100 * result['held_out_worst']:.0f} %: {within} the bounds (median <= "
+              f"{100 * ACCEPT_MEDIAN:.0f} %, worst <= {100 * ACCEPT_WORST:.0f} %). "
+              f"{resampled_sentence(result['resampled'])}")
+        print("nothing written: the stored held-out runs were looked at before, so a replay "
+              "explores a model change; only a fresh `hkvsim calibrate --host` writes a profile")
+    return 0 if result["within_bounds"] else 1
