@@ -39,7 +39,7 @@ from typing import Any
 
 from .pd.cpu import merge_rank_cpu
 
-__all__ = ["ValidationError", "FileResult", "RealRuns", "coalescing_model_check",
+__all__ = ["ValidationError", "FileResult", "RealRuns", "SimAgainstReal", "coalescing_model_check",
            "host_copy_drift", "host_cpu_drift", "judge", "measure_real", "post_call_totals",
            "resampled_sentence", "resampled_verdict", "steady_phase_means", "steady_requests",
            "steady_transfer_mean", "validate", "with_profile", "write_outputs", "ACCEPT_MEDIAN",
@@ -53,8 +53,29 @@ class ValidationError(ValueError):
     """Bad input to ``hkvsim validate`` (no files, a file with a sweep, ...)."""
 
 
+class SimAgainstReal:
+    """What a file's simulated time and real runs give (``sim_seconds``, ``real_seconds``)."""
+
+    sim_seconds: float
+    real_seconds: tuple[float, ...]
+
+    @property
+    def real_median(self) -> float:
+        return float(statistics.median(self.real_seconds))
+
+    @property
+    def error(self) -> float:
+        """(sim - real) / real, signed."""
+        return (self.sim_seconds - self.real_median) / self.real_median
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the real runs."""
+        return (max(self.real_seconds) - min(self.real_seconds)) / self.real_median
+
+
 @dataclass(frozen=True)
-class FileResult:
+class FileResult(SimAgainstReal):
     file: str
     scenario: str
     profile: str
@@ -89,20 +110,6 @@ class FileResult:
     # the simulated profile's coordinator CPU per call (us; 0: not modelled), measured when it
     # was calibrated: set against the real runs' own figure, it tells how fast the host ran
     profile_coordinator_call_us: float = 0.0
-
-    @property
-    def real_median(self) -> float:
-        return float(statistics.median(self.real_seconds))
-
-    @property
-    def error(self) -> float:
-        """(sim - real) / real, signed."""
-        return (self.sim_seconds - self.real_median) / self.real_median
-
-    @property
-    def spread(self) -> float:
-        """(max - min) / median of the real runs."""
-        return (max(self.real_seconds) - min(self.real_seconds)) / self.real_median
 
 
 def steady_requests(details: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

@@ -74,9 +74,10 @@ from typing import Any
 
 import numpy as np
 
-from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, ValidationError, judge,
-                       measure_real, resampled_sentence, resampled_verdict, shown_path,
-                       steady_transfer_mean, summary, with_profile)
+from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, SimAgainstReal,
+                       ValidationError, judge, measure_real, resampled_sentence,
+                       resampled_verdict, shown_path, steady_transfer_mean, summary,
+                       with_profile)
 
 __all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "HOST_KEYS", "check_load",
            "dispatch_split", "fit_host", "host_block", "measure_coordinator_message", "measured_cpu",
@@ -658,20 +659,12 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
 
 # ---- replay: refit and judge on a calibration's stored real runs -------------------------------
 @dataclass(frozen=True)
-class ReplayedFile:
+class ReplayedFile(SimAgainstReal):
     """One file of a replayed calibration: simulated now, real as stored."""
 
     file: str
     sim_seconds: float
     real_seconds: tuple[float, ...]
-
-    @property
-    def real_median(self) -> float:
-        return float(statistics.median(self.real_seconds))
-
-    @property
-    def error(self) -> float:
-        return (self.sim_seconds - self.real_median) / self.real_median
 
 
 def _stored_files(record: Any, key: str) -> list[tuple[Path, tuple[float, ...]]]:

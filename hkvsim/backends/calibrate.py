@@ -655,6 +655,11 @@ def calibrate(*, quick: bool = False, budget: float = 150.0, profile_out: Path |
             "sweep_seconds": raw["sweep_seconds"], "log_dir": raw["log_dir"]}
 
 
+def _print_json(result: Any) -> None:
+    json.dump(result, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
 def run_calibration_cli(args: Any) -> int:
     """``hkvsim calibrate``: exit 0 when the fit meets the acceptance (median error < 15 %)."""
     if getattr(args, "replay", None) is not None:  # stored runs only: no NIXL needed
@@ -690,8 +695,7 @@ def run_calibration_cli(args: Any) -> int:
         print(f"hkvsim: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        json.dump(summary, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
+        _print_json(summary)
     else:
         v = summary["profile"]
         print(f"UCX transport: {summary['transport']} ({', '.join(summary['transports'])})")
@@ -741,8 +745,7 @@ def _run_host_cli(args: Any) -> int:
         print(f"hkvsim: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        json.dump(result, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
+        _print_json(result)
     else:
         f = result["fit"]
         print(f"fit: {f['cores']} core(s) x {f['core_gbps']} GB/s, rank dispatch "
@@ -772,21 +775,18 @@ def _run_replay_cli(args: Any) -> int:
         return 2
     source = Path(args.replay)
     try:
-        record = json.loads(source.read_text())
-    except OSError as exc:
-        print(f"hkvsim: error: --replay {source}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    except json.JSONDecodeError as exc:
-        print(f"hkvsim: error: --replay {source}: not JSON ({exc})", file=sys.stderr)
-        return 2
-    try:
+        try:
+            record = json.loads(source.read_text())
+        except OSError as exc:
+            raise ValidationError(exc.strerror or str(exc)) from None
+        except json.JSONDecodeError as exc:
+            raise ValidationError(f"not JSON ({exc})") from None
         result = replay_host(record, profile_in=DEFAULT_PROFILE)
     except ValidationError as exc:
         print(f"hkvsim: error: --replay {source}: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        json.dump(result, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
+        _print_json(result)
     else:
         f = result["fit"]
         print(f"replay of {source} (real runs measured {result['measured_at']}); refitted: "
