@@ -124,3 +124,20 @@ def test_the_replay_cli_needs_no_nixl_and_refuses_bad_input(tmp_path, monkeypatc
     assert "no 'fit' object" in capsys.readouterr().err
     assert main(["calibrate", "--replay", str(empty)]) == 2  # without --host
     assert "--replay needs --host" in capsys.readouterr().err
+
+
+def test_the_committed_refused_calibration_replays_to_its_own_simulated_times():
+    """A replay at the record's own fitted point reproduces every simulated time of the
+    committed report: the report is still what the code predicts with those constants (a
+    change to the host-path model makes it stale: rerun `hkvsim calibrate --host`)."""
+    path = ROOT / "reports" / "calibration" / "host-path-refused.json"
+    record = json.loads(path.read_text())
+    fit = record["fit"]
+    out = replay_host(record, profile_in=DEFAULT_PROFILE, grid=(fit["core_gbps"],),
+                      notice_grid=(fit["completion_notice_us"],))
+    for key in ("fit_files", "held_out_files"):
+        assert [r["sim_seconds"] for r in out[key]] == pytest.approx(
+            [r["sim_seconds"] for r in record[key]], rel=1e-9), key
+    assert out["held_out_median"] == pytest.approx(
+        record["held_out_summary"]["median_abs_error"], rel=1e-9)
+    assert out["within_bounds"] is record["accepted"]
