@@ -80,9 +80,9 @@ from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, SimAgainstReal,
                        with_profile)
 
 __all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "HOST_KEYS", "check_load",
-           "dispatch_split", "fit_host", "host_block", "measure_coordinator_message", "measured_cpu",
-           "oracle_cost", "rank_poll_periods_us", "replace_host_block", "calibrate_host",
-           "ReplayedFile", "replay_host"]
+           "dispatch_split", "fit_host", "host_block", "measure_coordinator_message",
+           "measured_cpu", "oracle_cost", "rank_poll_periods_us", "replace_host_block",
+           "calibrate_host", "ReplayedFile", "replay_host"]
 
 #: Per-core copy rates tried (GB/s): geometric, 1 .. ~14.6 (x 1.25).
 GRID_GBPS: tuple[float, ...] = tuple(round(1.25 ** k, 4) for k in range(0, 13))
@@ -558,9 +558,11 @@ def calibrate_host(fit_files: Sequence[Path], held_out_files: Sequence[Path], *,
         written = shown_path(profile_out)  # relative in a committed report
     result = {"accepted": accepted, "refused": refused, "fit": asdict(fit), "measured_cpu": cpu,
               "profile_written": written, "meta": meta, "held_out_summary": s,
+              # each FIT file's real runs and their processes' CPU (what the measured
+              # constants come from): a replay (:func:`replay_host`) refits on these
               "fit_files": [{"file": r.file, "sim_seconds": sim, "real_seconds": r.real_seconds,
                              "real_median": r.real_median, "spread": r.spread,
-                             "loads": r.loads,
+                             "loads": r.loads, "rank_cpu": r.rank_cpu,
                              "error": (sim - r.real_median) / r.real_median}
                             for r, sim in zip(fit_real, fit_sims)],
               "held_out_files": [{**asdict(r), "real_median": r.real_median, "error": r.error,

@@ -4,6 +4,7 @@ calibration gate (hkvsim/validate_fit.py): fit on a FIT set, refuse on held-out 
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -210,7 +211,7 @@ def _result(name: str, sim: float, real: float) -> FileResult:
     return FileResult(file=name, scenario=name, profile=CPU, sim_seconds=sim,
                       real_seconds=(real, real * 1.1, real * 0.9), loads=(0.5, 0.5, 0.5),
                       descriptors_posted=(1, 1), descriptors_coalesced=(1, 1),
-                      outcomes=("ok",) * 4)
+                      outcomes=("ok",) * 4, rank_cpu={"posts": 10})
 
 
 @pytest.mark.parametrize("held_err, accepted", [(0.10, True), (0.20, False)])
@@ -273,6 +274,14 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
     share = result["held_out_summary"]["resampled"]["met_share"]
     assert (share > 0.5) is accepted and 0 < share < 1
     assert f"the bounds are met in {100 * share:.0f} % of the draws" in report
+    # the JSON keeps what a replay (calibrate --host --replay) refits and judges on
+    from hkvsim.validate_fit import _stored_files
+
+    stored = json.loads((tmp_path / "rep/host-path.json").read_text())
+    assert [p.name for p, _ in _stored_files(stored, "fit_files")] == [f.name for f in fit_files]
+    held_runs = [r for _, r in _stored_files(stored, "held_out_files")]
+    assert held_runs == [(1e-3, 1e-3 * 1.1, 1e-3 * 0.9)] * 3
+    assert stored["fit_files"][0]["rank_cpu"] == {"posts": 10}
     if accepted:
         written = load_profile(out)
         assert written.host_cores == 2 and written.oracle_core_bandwidth == pytest.approx(4e9)
