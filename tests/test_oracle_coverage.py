@@ -8,13 +8,15 @@ words anywhere in that window and require each flip to be reported.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hkvsim.geometry import build_layout, preset
-from hkvsim.oracle import OUTSIDE_BLOCKS, Oracle, blocks_touched
+from hkvsim.oracle import OUTSIDE_BLOCKS, Oracle, blocks_touched, blocks_touched_set
 
 CASES = [("tiny-kimi-linear", 1), ("tiny-kimi-linear", 4), ("tiny-qwen3-next", 2),
          ("tiny-deepseek", 1), ("tiny-llama", 1), ("tiny-llama", 2)]
@@ -140,3 +142,66 @@ def test_blocks_touched_matches_a_byte_by_byte_reference(name: str, tp: int, dat
         assert got.tolist() == [OUTSIDE_BLOCKS]
     else:
         assert got.tolist() == sorted(set(span.tolist()))
+
+
+def _padded_layout() -> SimpleNamespace:
+    """What the block lookups read of a layout, with alignment padding after each tensor's
+    blocks (the presets' tiny layouts have none)."""
+    return SimpleNamespace(tensor_bytes=5 * 1000, tensor_stride=8192, unified_page_bytes=1000,
+                           num_tensors=3, total_bytes=3 * 8192, num_logical_blocks=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(["tiny-kimi-linear", "tiny-llama", "tiny-qwen3-next", "padded"]),
+       tp=st.sampled_from([1, 2]), data=st.data())
+def test_blocks_touched_set_names_the_same_blocks(name: str, tp: int, data) -> None:
+    """blocks_touched_set (the landing guard's) names the same set of blocks as
+    blocks_touched, OUTSIDE_BLOCKS included, for a transfer's runs: mostly a block or a part
+    of one (its fast path), sometimes an empty run, a longer run, one into a tensor's padding,
+    before the allocation or past it."""
+    if name == "padded":
+        layout = _padded_layout()
+    else:
+        model = preset(name)
+        layout = build_layout(model, tp=tp, block_size=model.attention.attention_backend
+                              .min_kernel_block, num_blocks=5)
+    page, n = layout.unified_page_bytes, data.draw(st.integers(1, 8))
+    stride, total = layout.tensor_stride, layout.total_bytes
+    offs, lens = [], []
+    for _ in range(n):
+        if data.draw(st.booleans()):  # a block, or a part of one, inside a tensor
+            t = data.draw(st.integers(0, layout.num_tensors - 1))
+            b = data.draw(st.integers(0, layout.num_logical_blocks - 1))
+            lo = data.draw(st.integers(0, page - 1))
+            hi = data.draw(st.integers(lo + 1, page))
+            offs.append(t * stride + b * page + lo)
+            lens.append(hi - lo)
+        else:
+            offs.append(data.draw(st.integers(-2 * stride, total + 2 * stride)))
+            lens.append(data.draw(st.integers(0, 3 * page)))
+    off, length = np.array(offs, dtype=np.int64), np.array(lens, dtype=np.int64)
+    got = blocks_touched_set(layout, off, length)
+    assert sorted(set(got.tolist())) == sorted(set(blocks_touched(layout, off, length)[1]
+                                                   .tolist()))
+
+
+def test_blocks_touched_set_of_runs_over_two_blocks() -> None:
+    """Runs across a block boundary name both blocks (the fast path's last blocks); a run
+    across three blocks names the middle one too; an empty run names nothing."""
+    layout = build_layout(preset("tiny-llama"), tp=1, block_size=preset("tiny-llama").attention
+                          .attention_backend.min_kernel_block, num_blocks=5)
+    page = layout.unified_page_bytes
+    two = blocks_touched_set(layout, np.array([page // 2, 2 * page]), np.array([page, page]))
+    assert sorted(set(two.tolist())) == [0, 1, 2]
+    three = blocks_touched_set(layout, np.array([page // 2]), np.array([2 * page]))
+    assert sorted(set(three.tolist())) == [0, 1, 2]
+    empty = blocks_touched_set(layout, np.array([page, 3 * page]), np.array([0, page]))
+    assert sorted(set(empty.tolist())) == [3]
+    # from tensor 0's last block into tensor 1's first (no padding between them)
+    across = blocks_touched_set(layout, np.array([layout.tensor_stride - page // 2]),
+                                np.array([page]))
+    assert across.tolist() == [OUTSIDE_BLOCKS]
+    padded = _padded_layout()  # into a tensor's padding, past the allocation, before it
+    for off, length in ((4500, 1000), (3 * 8192 + 10, 100), (-100, 50)):
+        got = blocks_touched_set(padded, np.array([1000, off]), np.array([1000, length]))
+        assert sorted(set(got.tolist())) == [OUTSIDE_BLOCKS, 1]

@@ -26,7 +26,7 @@ import simpy
 from ..connector.worker import ConnectorWorker
 from ..fabric import Fabric, load_profile, place_engines
 from ..faults import FaultPlan
-from ..oracle import OUTSIDE_BLOCKS, Oracle, blocks_touched
+from ..oracle import OUTSIDE_BLOCKS, Oracle, blocks_touched_set
 from ..pd.coordinator import Call, Coordinator
 from .base import CoordinatorLoop
 from ..pd.cpu import oracle_bytes
@@ -434,7 +434,7 @@ class SimDriver:
         if (last is not None and last[0].shape == offsets.shape
                 and bool((last[0] == offsets).all()) and bool((last[1] == lengths).all())):
             return last[2], last[3]
-        _, blocks = blocks_touched(layout, offsets, lengths)
+        blocks = blocks_touched_set(layout, offsets, lengths)
         outside = bool(blocks.size) and int(blocks.min()) == OUTSIDE_BLOCKS
         self._last_touched[engine_id] = (offsets, lengths, blocks, outside)
         return blocks, outside

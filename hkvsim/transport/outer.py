@@ -183,7 +183,7 @@ class _Pair:
 
     __slots__ = ("keep", "local", "remote", "equal", "col_bytes", "joins", "row_part",
                  "l_at0", "l_stride", "l_len", "r_at0", "r_stride", "r_len", "l_end0", "r_end0",
-                 "l_shift", "r_shift", "shape", "boundaries")
+                 "l_shift", "r_shift", "shape", "boundaries", "side_shapes")
 
     def __init__(self, local: list[_Rows], remote: list[_Rows], keep: Any) -> None:
         self.keep, self.local, self.remote = keep, local, remote
@@ -212,6 +212,12 @@ class _Pair:
         self.l_shift = int(self.l_at0[0]) if self.l_at0.size else 0
         self.r_shift = int(self.r_at0[0]) if self.r_at0.size else 0
         self.shape = _shape_of(self)
+        # per side, a number naming its rows relative to its first row's address: equal for
+        # pairs whose byte runs on that side are equal up to a shift (the other side may differ)
+        self.side_shapes = (_side_shape_of(self.row_part, self.l_at0, self.l_shift,
+                                           self.l_stride, self.l_len),
+                            _side_shape_of(self.row_part, self.r_at0, self.r_shift,
+                                           self.r_stride, self.r_len))
 
 
 def _boundaries(pair: _Pair) -> list[tuple[int, int, int, int, int, int, dict[Any, int]]]:
@@ -240,6 +246,35 @@ _SHAPE_NUMBERS = itertools.count()  # never reused, also after _SHAPES is cleare
 # shape -> (columns, answer) of the last transfer of that shape whose columns cannot change
 # (a request's transfers to the ranks of an engine come one after another)
 _RESULTS: dict[int, tuple[list[np.ndarray], Any]] = {}
+_SIDE_SHAPES: dict[tuple[Any, ...], int] = {}  # interned one-side shapes -> small int
+# one-side shape -> (that side's columns, runs token) of the last transfer with that side shape
+# whose columns cannot change (a request's transfers to the ranks of an engine read into equal
+# runs on the reading side even where the other side's rows differ: two answers, one token)
+_SIDE_RUNS: dict[int, tuple[list[np.ndarray], "_Runs"]] = {}
+
+
+class _Runs:
+    """A token naming one side's byte runs relative to its first row's address (equal tokens:
+    equal runs up to the shift), and those runs once made (:meth:`OuterPairs.extents`)."""
+
+    __slots__ = ("ext",)
+
+    def __init__(self) -> None:
+        self.ext: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def _side_shape_of(row_part: np.ndarray, at0: np.ndarray, shift: int, stride: np.ndarray,
+                   length: np.ndarray) -> int:
+    """A number naming one side's rows (their parts, addresses relative to ``shift``, strides
+    and lengths): everything that side's byte runs depend on besides its columns."""
+    key = (row_part.tobytes(), (at0 - shift).tobytes(), stride.tobytes(), length.tobytes())
+    got = _SIDE_SHAPES.get(key)
+    if got is None:
+        if len(_SIDE_SHAPES) >= _CACHE_LIMIT:
+            _SIDE_SHAPES.clear()
+            _SIDE_RUNS.clear()
+        got = _SIDE_SHAPES[key] = next(_SHAPE_NUMBERS)
+    return got
 
 
 def _shape_of(pair: _Pair) -> int:
@@ -268,24 +303,24 @@ _CACHE_LIMIT = 4096  # pairs of (list, row starts) remembered; a run has a handf
 
 
 class _Answer:
-    """What :func:`outer_pairs` derives for a pair shape and columns: the bytes, NIXL's
-    coalesced count, and each side's byte runs relative to its first row (made when asked)."""
+    """What :func:`outer_pairs` derives for a pair shape and columns: the bytes and NIXL's
+    coalesced count."""
 
-    __slots__ = ("nbytes", "coalesced", "ext")
+    __slots__ = ("nbytes", "coalesced")
 
     def __init__(self, nbytes: int, coalesced: int) -> None:
         self.nbytes, self.coalesced = nbytes, coalesced
-        self.ext: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 
 class OuterPairs:
     """What :func:`outer_pairs` derived: the bytes, NIXL's coalesced count and each side's
     per-descriptor byte runs (computed when asked)."""
 
-    __slots__ = ("pair", "lo", "ro", "answer")
+    __slots__ = ("pair", "lo", "ro", "answer", "_tokens")
 
     def __init__(self, pair: _Pair, lo: OuterIds, ro: OuterIds, answer: _Answer) -> None:
         self.pair, self.lo, self.ro, self.answer = pair, lo, ro, answer
+        self._tokens: list[_Runs | None] = [None, None]
 
     @property
     def nbytes(self) -> int:
@@ -295,18 +330,44 @@ class OuterPairs:
     def coalesced(self) -> int:
         return self.answer.coalesced
 
+    def _runs(self, local: bool) -> _Runs:
+        """The runs token of one side: shared by transfers whose rows on that side have the
+        same shape (``_Pair.side_shapes``) and whose columns there are the same frozen arrays;
+        columns that may change get a token of their own."""
+        i = 0 if local else 1
+        token = self._tokens[i]
+        if token is not None:
+            return token
+        ids = self.lo if local else self.ro
+        if not ids.frozen:
+            token = _Runs()
+        else:
+            cols = [c for _, c in ids.parts]
+            shape = self.pair.side_shapes[i]
+            got = _SIDE_RUNS.get(shape)
+            if got is not None and len(got[0]) == len(cols) and all(
+                    a is b for a, b in zip(got[0], cols)):
+                token = got[1]
+            else:  # remembered (the entry keeps the columns: ids stay theirs)
+                token = _Runs()
+                _SIDE_RUNS[shape] = (cols, token)
+        self._tokens[i] = token
+        return token
+
     def runs_key(self, side: str) -> tuple[Any, str, int]:
-        """(answer, side, shift): transfers with the same answer object and side have the
-        same byte runs on that side up to ``shift`` (the side's first row address), which
+        """(token, side, shift): transfers with the same token and side have the same byte
+        runs on that side up to ``shift`` (the side's first row address), which
         :meth:`extents` adds."""
-        return (self.answer, side, self.pair.l_shift if side == "local" else self.pair.r_shift)
+        local = side == "local"
+        return (self._runs(local), side, self.pair.l_shift if local else self.pair.r_shift)
 
     def extents(self, side: str) -> tuple[np.ndarray, np.ndarray]:
         """(addresses, lengths) int64, one per descriptor of one side, in id-list order (the
         lengths array is shared and read-only)."""
         local = side == "local"
         shift = self.pair.l_shift if local else self.pair.r_shift
-        got = self.answer.ext.get(side)
+        token = self._runs(local)
+        got = token.ext
         if got is None:
             rows, ids = (self.pair.local, self.lo) if local else (self.pair.remote, self.ro)
             addrs, lengths = [], []
@@ -319,7 +380,7 @@ class OuterPairs:
             else:
                 got = (np.concatenate(addrs), np.concatenate(lengths))
             got[0].flags.writeable = got[1].flags.writeable = False
-            self.answer.ext[side] = got
+            token.ext = got
         return got[0] + shift, got[1]
 
 

@@ -193,7 +193,10 @@ class SimWorld:
             if delay == float("inf"):
                 self.dropped_messages += 1
                 return
-        event = self.fabric.notify(self.agent(src).endpoint, self.agent(dst).endpoint)
+        agents = self._agents  # (unknown names: agent()'s error)
+        a, b = agents.get(src), agents.get(dst)
+        event = self.fabric.notify((self.agent(src) if a is None else a).endpoint,
+                                   (self.agent(dst) if b is None else b).endpoint)
         if delay:
             def later(_: Any, d: float = delay) -> None:
                 self.env.timeout(d).callbacks.append(
@@ -249,6 +252,9 @@ class SimTransport:
     def __init__(self, world: SimWorld, name: str) -> None:
         self.world = world
         self.name = name
+        # this agent's record: agents are made once per name and never replaced or removed
+        self._me: _Agent = world.agent(name)
+        self._agents = world._agents  # the world's agents by name (never reassigned)
         self._dlists: dict[int, _DList] = {}
         self._outer_cache: dict[Any, Any] = {}  # check_pairs: geometry of OuterIds rows
         self._xfers: dict[int, _Xfer] = {}
@@ -461,7 +467,9 @@ class SimTransport:
                 if side.stale is not None:
                     raise TransportError(f"{self.name}: transfer {handle} uses a stale "
                                          f"descriptor list ({side.stale}); re-prepare it")
-        remote_agent = self.world.agent(x.remote.agent)
+        remote_agent = self._agents.get(x.remote.agent)
+        if remote_agent is None:  # an unknown name: agent()'s error
+            remote_agent = self.world.agent(x.remote.agent)
         if not remote_agent.alive:
             raise TransportError(f"{self.name}: remote agent {x.remote.agent} disconnected",
                                  kind="remote_disconnect")
@@ -474,7 +482,7 @@ class SimTransport:
             for name in world.faults.peers_to_kill(now=world.env.now, request=request,
                                                    initiator=self.name, remote=x.remote.agent):
                 world.kill(name)
-            for agent in (remote_agent, world.agent(self.name)):
+            for agent in (remote_agent, self._me):
                 if not agent.alive:
                     raise TransportError(f"{self.name}: agent {agent.name} disconnected",
                                          kind="remote_disconnect")
@@ -486,7 +494,7 @@ class SimTransport:
         x.poll_raises = fault is not None and fault.kind == "fail-poll"
         x.state, x.submitted, x.timing, x.error = PROC, world.env.now, None, None
         x.stray = self._check_landing(x, landed=False)
-        me = world.agent(self.name)
+        me = self._me
         src, dst = (remote_agent, me) if x.op == "READ" else (me, remote_agent)
         if fault is not None and fault.kind == "stall":
             # stuck in PROC (NIXL PR #2047 has no deadline); the transport gives up eventually
@@ -520,7 +528,9 @@ class SimTransport:
         x.timing = tuple(timing)
         if x.released or x.state != PROC:
             return
-        me, remote = self.world.agent(self.name), self.world.agent(x.remote.agent)
+        me, remote = self._me, self._agents.get(x.remote.agent)
+        if remote is None:  # an unknown name: agent()'s error
+            remote = self.world.agent(x.remote.agent)
         if not remote.alive or not me.alive:
             dead = remote.name if not remote.alive else me.name
             x.state, x.error, x.error_kind = ERR, f"agent {dead} disconnected", "remote_disconnect"
@@ -640,7 +650,7 @@ class SimTransport:
         self.world.send(self.name, agent, bytes(message))
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
-        agent = self.world.agent(self.name)
+        agent = self._me
         inbox, agent.inbox = agent.inbox, {}
         return inbox
 

@@ -227,3 +227,44 @@ def test_columns_not_frozen_are_never_answered_from_memory() -> None:
     got = _message(lambda: check_pairs(la, lo, ra, ro, what="t", outer_cache=cache))
     assert got == _message(lambda: check_pairs(la, lo.flat(), ra, ro.flat(), what="t"))
     assert "out of range" in got
+
+
+def test_runs_token_is_shared_by_equal_sides_only() -> None:
+    """A side's runs token (what the landing guard keys its block lookup by) is shared by
+    transfers whose rows on that side have one shape and whose columns there are the same
+    frozen arrays, even where the other side's rows differ (two answers): the decode ranks of
+    one engine read into equal runs from prefill rows at other offsets. Another shape on that
+    side, or other columns, get another token; each token's runs are what the flat ids give."""
+    rng = np.random.default_rng(7)
+    la, ra = _list(rng, 1 << 30, plain=True), _list(rng, 1 << 32, plain=True)
+    other_r = _list(np.random.default_rng(8), 1 << 32, plain=True)  # other gaps: other shape
+    other_l = _list(np.random.default_rng(9), 1 << 30, plain=True)
+    cols = [_cols(rng, 12, 40), _cols(rng, 2, 10)]
+    more = [_cols(rng, 12, 40), _cols(rng, 2, 10)]
+
+    def checked(local: AffineList, remote: AffineList, c: list[np.ndarray]) -> object:
+        lo, ro = _frozen_ids(local, *c), _frozen_ids(remote, *c)
+        pairs = check_pairs(local, lo, remote, ro, what="t", outer_cache={})
+        assert pairs._outer is not None
+        lref, rref = local.materialise(), remote.materialise()
+        for side, ref, ids in (("local", lref, lo.flat()), ("remote", rref, ro.flat())):
+            addrs, lengths = pairs.extents(side)
+            assert addrs.tolist() == ref[ids, 0].astype(np.int64).tolist()
+            assert lengths.tolist() == ref[ids, 1].astype(np.int64).tolist()
+        return pairs
+
+    first = checked(la, ra, cols)
+    remote_other = checked(_shifted(la, 1 << 36), other_r, cols)  # same local side
+    assert remote_other._outer.answer is not first._outer.answer  # the pairs' shapes differ
+    assert remote_other.runs_key("local")[0] is first.runs_key("local")[0]
+    assert remote_other.runs_key("remote")[0] is not first.runs_key("remote")[0]
+    assert remote_other.runs_key("local")[2] - first.runs_key("local")[2] == 1 << 36
+    local_other = checked(other_l, ra, cols)  # another local shape
+    assert local_other.runs_key("local")[0] is not first.runs_key("local")[0]
+    other_cols = checked(la, ra, more)  # the same lists, other columns
+    assert other_cols.runs_key("local")[0] is not first.runs_key("local")[0]
+    # not frozen: never shared
+    lo, ro = _ids(la, *cols), _ids(ra, *cols)
+    a = check_pairs(la, lo, ra, ro, what="t", outer_cache={})
+    b = check_pairs(la, lo, ra, ro, what="t", outer_cache={})
+    assert a.runs_key("local")[0] is not b.runs_key("local")[0]
