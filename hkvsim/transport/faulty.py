@@ -3,8 +3,12 @@ it; the simulated transport has the same hooks built in, in simulated time).
 
 Supported kinds: ``fail-transfer`` (phase completion / setup / poll), ``stall-transfer`` and
 ``drop-notification``. A failing or stalled transfer loses its completion notification, as on
-the simulator: the peer then frees by lease. The decision for a transfer is taken when it is
-created (its notification names the request), from the scenario's seeded FaultPlan.
+the simulator: the peer then frees by lease. A transfer whose poll raises (``phase = "poll"``)
+moved its data, so its peer is told, but only once the sender's poll has raised: attached to
+the transfer, the notification raced the sender's failure to the coordinator (a push request
+then completed on decode or failed, by scheduling), while on the simulator the failure always
+comes first. The decision for a transfer is taken when it is created (its notification names
+the request), from the scenario's seeded FaultPlan.
 """
 
 from __future__ import annotations
@@ -32,12 +36,27 @@ class FaultInjectingTransport:
         self._failed: dict[int, str] = {}  # handle -> injected failure reason
         self._stall_until: dict[int, float] = {}
         self._poll_raise: set[int] = set()
+        self._withheld: dict[int, tuple[str, bytes]] = {}  # handle -> (peer, notification)
+        self._dlist_agent: dict[int, str] = {}  # remote descriptor list -> its agent
 
     def __getattr__(self, name: str) -> Any:  # allocate, register_memory, name, ...
         return getattr(self._inner, name)
 
     # ---- creation: decide the fault, strip the notification it would lose ------------------
-    def _decide(self, remote: str, notif: bytes) -> tuple[Any, bytes]:
+    def prep_xfer_dlist(self, agent: str, descs: Any, **kwargs: Any) -> int:
+        handle: int = self._inner.prep_xfer_dlist(agent, descs, **kwargs)
+        if agent:
+            self._dlist_agent[handle] = agent
+        return handle
+
+    def _withhold(self, handle: int, peer: str, notif: bytes) -> None:
+        """A poll fault's notification, kept back until the poll raises."""
+        if notif and peer:
+            self._withheld[handle] = (peer, notif)
+
+    def _decide(self, remote: str, notif: bytes) -> tuple[Any, bytes, bytes]:
+        """(fault, the notification the transfer carries, one held back until its poll
+        raises)."""
         fault = self._plan.on_post(now=self._clock(), initiator=self._inner.name, remote=remote,
                                    notif=notif)
         if fault is not None and fault.kind == "slow":
@@ -45,25 +64,29 @@ class FaultInjectingTransport:
         if notif and self._plan.on_message(now=self._clock(), src=self._inner.name, dst=remote,
                                            message=notif) == float("inf"):
             notif = b""  # drop-notification: the data moves, the notification never arrives
+        if fault is not None and fault.kind == "fail-poll":
+            return fault, b"", notif
         if fault is not None and fault.kind in ("fail", "stall"):
             notif = b""
-        return fault, notif
+        return fault, notif, b""
 
     def make_prepped_xfer(self, op: str, local_dlist: int, local_ids: np.ndarray,
                           remote_dlist: int, remote_ids: np.ndarray, notif: bytes = b"") -> int:
-        fault, notif = self._decide("", notif)
+        fault, sent, held = self._decide("", notif)
         handle = self._inner.make_prepped_xfer(op, local_dlist, local_ids, remote_dlist,
-                                               remote_ids, notif)
+                                               remote_ids, sent)
         if fault is not None:
             self._pending[handle] = fault
+            self._withhold(handle, self._dlist_agent.get(remote_dlist, ""), held)
         return handle
 
     def make_xfer(self, op: str, local_descs: np.ndarray, remote_agent: str,
                   remote_descs: np.ndarray, notif: bytes = b"") -> int:
-        fault, notif = self._decide(remote_agent, notif)
-        handle = self._inner.make_xfer(op, local_descs, remote_agent, remote_descs, notif)
+        fault, sent, held = self._decide(remote_agent, notif)
+        handle = self._inner.make_xfer(op, local_descs, remote_agent, remote_descs, sent)
         if fault is not None:
             self._pending[handle] = fault
+            self._withhold(handle, remote_agent, held)
         return handle
 
     # ---- posting and polling ---------------------------------------------------------------
@@ -93,6 +116,9 @@ class FaultInjectingTransport:
             self._failed[handle] = "injected stall: the transfer stayed PROC, then failed"
         if handle in self._poll_raise and state != PROC:
             self._poll_raise.discard(handle)
+            held = self._withheld.pop(handle, None)
+            if held is not None:  # the data moved: the peer hears of it after the failure
+                self._inner.send_notif(*held)
             raise TransportError(f"{self._inner.name}: injected exception polling transfer "
                                  f"{handle}", kind="transfer_exception")
         if handle in self._failed and state in (DONE, ERR):
@@ -112,6 +138,7 @@ class FaultInjectingTransport:
         self._inner.release_xfer_handle(handle)
         self._failed.pop(handle, None)
         self._poll_raise.discard(handle)
+        self._withheld.pop(handle, None)
 
     def give_up_stalls(self) -> None:
         """End every injected stall now (at shutdown): the transfers then report ERR."""
