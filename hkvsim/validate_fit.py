@@ -77,7 +77,7 @@ import numpy as np
 from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, SimAgainstReal,
                        ValidationError, judge, measure_real, resampled_sentence,
                        resampled_verdict, shown_path, steady_transfer_mean, summary,
-                       with_profile)
+                       with_profile, within_bounds)
 
 __all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "HOST_KEYS", "check_load",
            "dispatch_split", "fit_host", "host_block", "measure_coordinator_message",
@@ -668,6 +668,11 @@ class ReplayedFile(SimAgainstReal):
     sim_seconds: float
     real_seconds: tuple[float, ...]
 
+    def to_json(self) -> dict[str, Any]:
+        """The replay's row: the file, its simulated time now, its stored real median, the error."""
+        return {"file": self.file, "sim_seconds": self.sim_seconds,
+                "real_median": self.real_median, "error": self.error}
+
 
 def _stored_files(record: Any, key: str) -> list[tuple[Path, tuple[float, ...]]]:
     """``record[key]`` (a calibration JSON's ``fit_files`` / ``held_out_files``) as (scenario
@@ -739,11 +744,9 @@ def replay_host(record: Any, *, profile_in: Path, grid: Sequence[float] = GRID_G
     median, worst = float(statistics.median(errors)), max(errors)
     return {"measured_at": meta["when"], "fit": asdict(fit),
             "stored_fit": asdict(base),
-            "fit_files": [{"file": r.file, "sim_seconds": r.sim_seconds,
-                           "real_median": r.real_median, "error": r.error} for r in fitted],
-            "held_out_files": [{"file": r.file, "sim_seconds": r.sim_seconds,
-                                "real_median": r.real_median, "error": r.error} for r in held],
+            "fit_files": [r.to_json() for r in fitted],
+            "held_out_files": [r.to_json() for r in held],
             "held_out_median": median, "held_out_worst": worst,
-            "within_bounds": median <= ACCEPT_MEDIAN and worst <= ACCEPT_WORST,
+            "within_bounds": bool(within_bounds(median, worst)),
             "resampled": resampled_verdict(held),  # type: ignore[arg-type]
             "profile_written": None}

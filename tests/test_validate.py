@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from hkvsim.cli import main
-from hkvsim.validate import (FileResult, ValidationError, coalescing_model_check, markdown,
-                             post_call_totals, resampled_verdict, steady_phase_means,
+from hkvsim.validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, ValidationError,
+                             coalescing_model_check, markdown, post_call_totals, resampled_verdict, steady_phase_means,
                              steady_requests, steady_transfer_mean, steady_unexplained_mean,
-                             summary, validate, write_outputs)
+                             summary, validate, within_bounds, write_outputs)
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +105,20 @@ def test_error_spread_and_acceptance() -> None:
     assert "**NOT met**" in text
     assert "Coalesced descriptor totals differ" in text and "`x.toml` (block ids" in text
     assert "model was not checked on the real lists" in text  # no real counts in these results
+
+
+def test_within_bounds_is_inclusive_and_needs_both_bounds() -> None:
+    import numpy as np
+
+    assert within_bounds(ACCEPT_MEDIAN, ACCEPT_WORST)  # on the bounds: met
+    assert not within_bounds(ACCEPT_MEDIAN + 1e-9, 0.0)  # median over, worst fine
+    assert not within_bounds(0.0, ACCEPT_WORST + 1e-9)  # worst over, median fine
+    met = within_bounds(np.array([0.1, 0.2, 0.1]), np.array([0.3, 0.3, 0.5]))
+    assert met.tolist() == [True, False, False]
+    # the summary's verdict is the same test: a median over its bound refuses with every file
+    # under the worst bound; just under both bounds accepts
+    assert not summary([_result(1.2, (1.0,))] * 3)["accepted"]
+    assert summary([_result(1.14, (1.0,)), _result(0.61, (1.0,)), _result(0.9, (1.0,))])["accepted"]
 
 
 def test_coalescing_model_check_counts_mismatching_real_transfers() -> None:
