@@ -308,6 +308,7 @@ def test_fit_and_held_out_sets_must_be_disjoint(tmp_path: Path) -> None:
                        profile_out=None, report_dir=None, force=True)
 
 
+@pytest.mark.timeout(300)  # a grid of simulated host-path runs: minutes on a loaded 2-core VM
 def test_fit_recovers_the_constants_of_a_known_profile() -> None:
     """Real times made by the simulator itself with known constants: the fit finds them."""
     from hkvsim.scenario import load_scenarios
