@@ -263,18 +263,25 @@ class _Runs:
         self.ext: tuple[np.ndarray, np.ndarray] | None = None
 
 
+def _number_of(key: tuple[Any, ...], numbers: dict[tuple[Any, ...], int],
+               by_number: dict[int, Any]) -> int:
+    """The number ``numbers`` gives ``key``; a new key gets a new number (never reused). A
+    full table is cleared first, and with it ``by_number`` (entries keyed by its numbers)."""
+    got = numbers.get(key)
+    if got is None:
+        if len(numbers) >= _CACHE_LIMIT:
+            numbers.clear()
+            by_number.clear()
+        got = numbers[key] = next(_SHAPE_NUMBERS)
+    return got
+
+
 def _side_shape_of(row_part: np.ndarray, at0: np.ndarray, shift: int, stride: np.ndarray,
                    length: np.ndarray) -> int:
     """A number naming one side's rows (their parts, addresses relative to ``shift``, strides
     and lengths): everything that side's byte runs depend on besides its columns."""
     key = (row_part.tobytes(), (at0 - shift).tobytes(), stride.tobytes(), length.tobytes())
-    got = _SIDE_SHAPES.get(key)
-    if got is None:
-        if len(_SIDE_SHAPES) >= _CACHE_LIMIT:
-            _SIDE_SHAPES.clear()
-            _SIDE_RUNS.clear()
-        got = _SIDE_SHAPES[key] = next(_SHAPE_NUMBERS)
-    return got
+    return _number_of(key, _SIDE_SHAPES, _SIDE_RUNS)
 
 
 def _shape_of(pair: _Pair) -> int:
@@ -289,14 +296,7 @@ def _shape_of(pair: _Pair) -> int:
     for at0, shift, stride, length in ((pair.l_at0, pair.l_shift, pair.l_stride, pair.l_len),
                                        (pair.r_at0, pair.r_shift, pair.r_stride, pair.r_len)):
         key += ((at0 - shift).tobytes(), stride.tobytes(), length.tobytes())
-    tkey = tuple(key)
-    got = _SHAPES.get(tkey)
-    if got is None:
-        if len(_SHAPES) >= _CACHE_LIMIT:
-            _SHAPES.clear()
-            _RESULTS.clear()
-        got = _SHAPES[tkey] = next(_SHAPE_NUMBERS)
-    return got
+    return _number_of(tuple(key), _SHAPES, _RESULTS)
 
 
 _CACHE_LIMIT = 4096  # pairs of (list, row starts) remembered; a run has a handful

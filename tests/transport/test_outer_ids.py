@@ -268,3 +268,23 @@ def test_runs_token_is_shared_by_equal_sides_only() -> None:
     a = check_pairs(la, lo, ra, ro, what="t", outer_cache={})
     b = check_pairs(la, lo, ra, ro, what="t", outer_cache={})
     assert a.runs_key("local")[0] is not b.runs_key("local")[0]
+
+
+def test_shape_numbers_are_never_reused_after_a_full_table_is_cleared(monkeypatch) -> None:
+    """A shape's number keys remembered answers and runs tokens: a number given again to
+    another shape after the table was cleared would hand one shape's answer to another, and
+    entries keyed by the old numbers must go with the table."""
+    from hkvsim.transport import outer
+
+    monkeypatch.setattr(outer, "_CACHE_LIMIT", 3)
+    numbers: dict = {}
+    by_number: dict = {}
+    given = [outer._number_of((k,), numbers, by_number) for k in range(3)]
+    assert outer._number_of((1,), numbers, by_number) == given[1]  # known: the same number
+    for n in given:
+        by_number[n] = "answer"
+    fresh = outer._number_of(("new",), numbers, by_number)  # the table is full: cleared
+    assert fresh not in given
+    assert by_number == {} and numbers == {("new",): fresh}
+    again = outer._number_of((0,), numbers, by_number)  # forgotten: numbered anew
+    assert again not in given and again != fresh
