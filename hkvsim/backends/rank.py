@@ -251,6 +251,7 @@ class RankProcess:
         self.log_path = log_path
         self.executor: RankExecutor | None = None
         self.transport: Any = None
+        self._send_withheld: Callable[[], int] | None = None  # the fault wrapper's, if any
         self.epoch = time.time()
         self._transports_seen: list[str] = []
         self.cpu = RankCpu()  # CPU per operation kind and inside post calls (pd/cpu.py)
@@ -365,6 +366,7 @@ class RankProcess:
                              transfer_timeout=conn.transfer_timeout_seconds)
             connector_transport = FaultInjectingTransport(
                 self.transport, plan, clock=lambda: time.time() - self.epoch)
+            self._send_withheld = connector_transport.send_withheld
         make_worker: Callable[..., Any] = ConnectorWorker
         implementation: dict[str, str] | None = None
         if conn.implementation == "vllm":  # vLLM's own worker over this rank's NIXL agent
@@ -437,6 +439,8 @@ class RankProcess:
                 self._command(message)
             started = time.process_time()
             self._report(executor.poll())  # calls into NIXL every iteration
+            if self._send_withheld is not None:  # after the report (transport/faulty.py)
+                self._send_withheld()
             self.cpu.add_poll(busy, time.process_time() - started)
 
     def _report(self, events: list[Any]) -> None:

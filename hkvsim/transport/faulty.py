@@ -4,10 +4,12 @@ it; the simulated transport has the same hooks built in, in simulated time).
 Supported kinds: ``fail-transfer`` (phase completion / setup / poll), ``stall-transfer`` and
 ``drop-notification``. A failing or stalled transfer loses its completion notification, as on
 the simulator: the peer then frees by lease. A transfer whose poll raises (``phase = "poll"``)
-moved its data, so its peer is told, but only once the sender's poll has raised: attached to
-the transfer, the notification raced the sender's failure to the coordinator (a push request
-then completed on decode or failed, by scheduling), while on the simulator the failure always
-comes first. The decision for a transfer is taken when it is created (its notification names
+moved its data, so its peer is told, but only once the sender has raised and reported it: the
+notification waits until the rank calls :meth:`FaultInjectingTransport.send_withheld` after
+sending what its poll found to the coordinator (hkvsim/backends/rank.py). Attached to the
+transfer, or sent as the poll raised, it raced the sender's failure to the coordinator (a push
+request then completed on decode or failed, by scheduling), while on the simulator the failure
+always comes first. The decision for a transfer is taken when it is created (its notification names
 the request), from the scenario's seeded FaultPlan.
 """
 
@@ -37,6 +39,7 @@ class FaultInjectingTransport:
         self._stall_until: dict[int, float] = {}
         self._poll_raise: set[int] = set()
         self._withheld: dict[int, tuple[str, bytes]] = {}  # handle -> (peer, notification)
+        self._due: list[tuple[str, bytes]] = []  # withheld, their poll raised: sent next
         self._dlist_agent: dict[int, str] = {}  # remote descriptor list -> its agent
 
     def __getattr__(self, name: str) -> Any:  # allocate, register_memory, name, ...
@@ -118,12 +121,21 @@ class FaultInjectingTransport:
             self._poll_raise.discard(handle)
             held = self._withheld.pop(handle, None)
             if held is not None:  # the data moved: the peer hears of it after the failure
-                self._inner.send_notif(*held)
+                self._due.append(held)
             raise TransportError(f"{self._inner.name}: injected exception polling transfer "
                                  f"{handle}", kind="transfer_exception")
         if handle in self._failed and state in (DONE, ERR):
             return ERR
         return state
+
+    def send_withheld(self) -> int:
+        """Send the notifications of transfers whose poll has raised; the rank calls this once it
+        has reported that poll's failure, so the coordinator hears of the failure before the
+        peer can hear of the data. Returns how many were sent."""
+        due, self._due = self._due, []
+        for peer, notif in due:
+            self._inner.send_notif(peer, notif)
+        return len(due)
 
     def xfer_failure(self, handle: int) -> tuple[str, str] | None:
         if handle in self._failed:

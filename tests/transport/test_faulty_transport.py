@@ -1,8 +1,10 @@
 """The fault-injecting wrapper the real NIXL ranks use (hkvsim/transport/faulty.py): a transfer
-whose poll raises sends its notification only once its sender has seen the exception, so the
-peer never hears of the data before the sender's failure (the simulator's order too); without
-that, push runs of `scenarios/faults/fail-setup-and-poll.toml` raced on real NIXL (decode
-completed the request on the notification before prefill's failure reached the coordinator)."""
+whose poll raises sends its notification only once its sender has seen the exception and the
+rank has reported it (``send_withheld``, called by the rank after its report), so the peer never
+hears of the data before the coordinator hears of the sender's failure (the simulator's order
+too); without that, push runs of `scenarios/faults/fail-setup-and-poll.toml` raced on real NIXL
+(decode completed the request on the notification before prefill's failure reached the
+coordinator)."""
 
 from __future__ import annotations
 
@@ -88,10 +90,14 @@ def test_a_poll_fault_sends_the_notification_after_the_sender_sees_the_exception
     with pytest.raises(TransportError) as err:
         t.check_xfer_state(handle)
     assert err.value.kind == "transfer_exception"
-    # the data moved, so the peer is told, once the sender's poll has raised
+    # not while the rank is still in its poll: it has not reported the failure yet
+    assert not [c for c in inner.calls if c[0] == "send_notif"]
+    assert t.check_xfer_state(handle) == DONE  # raises once
+    # the data moved, so the peer is told, once the rank has reported the failure
+    assert t.send_withheld() == 1
     assert [c for c in inner.calls if c[0] == "send_notif"] == [
         ("send_notif", "decode0.0", b"req-2")]
-    assert t.check_xfer_state(handle) == DONE  # raises once; nothing sent twice
+    assert t.send_withheld() == 0  # nothing sent twice
     assert len([c for c in inner.calls if c[0] == "send_notif"]) == 1
 
 
@@ -108,4 +114,39 @@ def test_a_released_poll_fault_never_sends_its_notification():
     t.release_xfer_handle(handle)
     inner.state = DONE
     assert t.check_xfer_state(handle) == DONE  # the handle's fault went with it
+    assert t.send_withheld() == 0
     assert not [c for c in inner.calls if c[0] == "send_notif"]
+
+
+def test_the_rank_sends_withheld_notifications_after_reporting_its_poll():
+    from hkvsim.backends.rank import RankProcess
+
+    class _Stop(Exception):
+        pass
+
+    order: list[str] = []
+
+    class _Chan:
+        polls = 0
+
+        def poll(self, _timeout: float) -> list[Any]:
+            self.polls += 1
+            if self.polls > 2:
+                raise _Stop
+            return []
+
+    class _Executor:
+        def busy(self) -> bool:
+            return True
+
+        def poll(self) -> list[Any]:
+            order.append("poll")
+            return ["what the poll found"]
+
+    proc = RankProcess(_Chan(), credential="x", engine="prefill0", rank=0, log_path="/dev/null")
+    proc.executor = _Executor()  # type: ignore[assignment]
+    proc._report = lambda events: order.append(f"report {events}")  # type: ignore[method-assign]
+    proc._send_withheld = lambda: order.append("send withheld") or 0
+    with pytest.raises(_Stop):
+        proc._loop()
+    assert order == ["poll", "report ['what the poll found']", "send withheld"] * 2
