@@ -9,9 +9,10 @@ import pytest
 
 from hkvsim.cli import main
 from hkvsim.validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, ValidationError,
-                             coalescing_model_check, markdown, post_call_totals, resampled_verdict, steady_phase_means,
-                             steady_requests, steady_transfer_mean, steady_unexplained_mean,
-                             summary, validate, within_bounds, write_outputs)
+                             coalescing_model_check, markdown, post_call_totals,
+                             resampled_verdict, steady_phase_means, steady_requests,
+                             steady_transfer_mean, steady_unexplained_mean, summary, validate,
+                             within_bounds, write_outputs)
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
