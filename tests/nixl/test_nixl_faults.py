@@ -29,6 +29,25 @@ def test_fault_matrix_on_nixl(nixl_required, tmp_path, name: str) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_a_poll_fault_still_tells_the_peer_on_nixl(nixl_required, tmp_path) -> None:
+    """A transfer whose poll raises moved its data, so its peer is still told (after the
+    sender's failure is reported: hkvsim/transport/faulty.py): in pull mode prefill frees
+    request 2 on decode's notification, not by lease, on both backends; request 1 (its post
+    failed, nothing moved, no notification) is freed by lease on both."""
+    from hkvsim.cluster import run_scenario
+
+    pulls = [s for s in load_scenarios(ROOT / "scenarios/faults/fail-setup-and-poll.toml")
+             if s.connector.mode == "pull" and s.model.preset == "tiny-kimi-linear"]
+    assert len(pulls) == 1
+    sim = run_scenario(pulls[0])
+    real = run_scenario_nixl(pulls[0], options=NixlRunOptions(log_dir=str(tmp_path / "logs")))
+    expected = [False, True, False]  # request 0 ok, 1 setup failure, 2 poll failure
+    assert [r.freed_by_lease for r in sim.records] == expected
+    assert [r.freed_by_lease for r in real.records] == expected
+    assert [r.status for r in real.records] == ["ok", "failed", "failed"]
+
+
+@pytest.mark.timeout(240)
 def test_real_backend_soak_keeps_the_invariants(nixl_required, tmp_path) -> None:
     (scenario,) = load_scenarios(ROOT / "scenarios/soak/mixed-faults-real-backend.toml")
     result = run_scenario_nixl(scenario, options=NixlRunOptions(log_dir=str(tmp_path / "logs")))
