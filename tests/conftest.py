@@ -30,6 +30,9 @@ def real_process_test(path: Path) -> bool:
     return any(shown == p or shown.startswith(p + "/") for p in REAL_PROCESS_PATHS)
 
 
+# tryfirst: on each worker xdist's own hook reads the marker into the node ids it schedules by;
+# a conftest hook runs after it unless told otherwise, and then no test would be grouped
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("xdist"):
         return  # the marker exists only with xdist (--strict-markers)

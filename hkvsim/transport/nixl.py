@@ -41,14 +41,16 @@ Backends are verified after agent creation (an unknown backend only logs a warni
 after a failure; it reports what it released and what it had to leave (a transfer whose release
 failed while its DMA may be live).
 
-nixl is imported lazily (``import nixl`` shim if present, else ``nixl_cu12``), torch only for
-VRAM. Neither is needed to import this module.
+nixl is imported lazily (:func:`nixl_api_candidates`: the one backend wheel installed, else the
+``nixl`` meta package), torch only for VRAM. Neither is needed to import this module.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -96,13 +98,38 @@ class NixlUnavailable(ImportError):
 _API: Any = None
 
 
+#: NIXL's backend wheels (the ``nixl`` meta package picks one of them at import).
+NIXL_BACKEND_MODULES = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+
+
+def installed_nixl_backends() -> tuple[str, ...]:
+    """The NIXL backend wheels installed here (found without importing them)."""
+    return tuple(name for name in NIXL_BACKEND_MODULES if importlib.util.find_spec(name))
+
+
+def nixl_api_candidates() -> tuple[str, ...]:
+    """The API modules :func:`load_nixl` tries, in order.
+
+    The ``nixl`` meta package chooses its backend wheel by the CUDA major version of the process,
+    and with a CPU build of torch installed but not imported it finds that by importing torch
+    (about 2.4 s per process on a 2-core box; every real-NIXL rank process paid it). With one
+    backend wheel installed there is no choice to make, so that wheel is imported directly
+    unless torch is already loaded (VRAM ranks import torch first: then the meta package's
+    check is free and its choice is kept). With several wheels the meta package chooses."""
+    backends = installed_nixl_backends()
+    if len(backends) == 1 and "torch" not in sys.modules:
+        return (f"{backends[0]}._api", "nixl._api")
+    return ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+
 def load_nixl() -> Any:
-    """The NIXL Python API module (``nixl._api`` or ``nixl_cu12._api``); NixlUnavailable if none."""
+    """The NIXL Python API module (``nixl._api`` or a backend wheel's ``_api``, see
+    :func:`nixl_api_candidates`); NixlUnavailable if none imports."""
     global _API
     if _API is not None:
         return _API
     errors = []
-    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+    for name in nixl_api_candidates():
         try:
             _API = importlib.import_module(name)
             return _API

@@ -1,7 +1,7 @@
 """The two backends agree (issue #11): every quirk, switched on in its catching scenario, and every
 fault file whose faults the NIXL backend can inject, give the same outcome, the same per-request
 statuses, the same failure classes and the same corrupted count on the simulated fabric and over
-real NIXL agents.
+real NIXL agents; and each fault file's real runs meet the file's expectation.
 
 Both run the one coordinator and the one connector core; what differs is the transport (simulated
 vs NIXL), the driver (simpy vs asyncio + processes) and where faults are injected. A quirk that
@@ -20,6 +20,7 @@ from hkvsim.cluster import run_scenario
 from hkvsim.connector.quirks import QUIRKS
 from hkvsim.drivers.nixl import NixlRunError, NixlRunOptions, run_scenario_nixl
 from hkvsim.pd.records import RankSetupError
+from hkvsim.results import expectation_problems, result_json
 from hkvsim.scenario import load_scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,15 +72,20 @@ def _won_the_race(scenario, sim: dict, real: dict) -> bool:
                          "failure_classes": [None] * len(sim["failure_classes"])})
 
 
-def _compare(scenarios, tmp_path: Path) -> None:
+def _compare(scenarios, tmp_path: Path, *, expectations: bool = False) -> None:
+    """Each scenario on both backends, the same summary on both. With ``expectations`` every
+    real run must also meet its file's [expect], with no hung and no corrupted request (the
+    fault matrix on NIXL, issue #6: checked on these runs rather than on a second set)."""
     for i, scenario in enumerate(scenarios):
         try:
             sim = _summary(run_scenario(scenario))
         except RankSetupError as exc:  # e.g. the transport refused a rank's own list
             sim = {"rank setup refused": _transport_reason(str(exc))}
+        result = None
         try:
-            real = _summary(run_scenario_nixl(scenario, options=NixlRunOptions(
-                log_dir=str(tmp_path / f"logs{i}"))))
+            result = run_scenario_nixl(scenario, options=NixlRunOptions(
+                log_dir=str(tmp_path / f"logs{i}")))
+            real = _summary(result)
         except RankSetupError as exc:
             real = {"rank setup refused": _transport_reason(str(exc))}
         except NixlRunError as exc:
@@ -89,6 +95,11 @@ def _compare(scenarios, tmp_path: Path) -> None:
             continue
         assert got == want, (f"{scenario.where}: the backends disagree\n  sim:  {want}\n"
                              f"  nixl: {got}")
+        if expectations:
+            assert result is not None, f"{scenario.where}: no real run to hold to its [expect]"
+            assert expectation_problems(result) == [], (scenario.where,
+                                                        result_json(result)["leaks"])
+            assert result.hung == 0 and result.corrupted == 0, scenario.where
 
 
 @pytest.mark.timeout(300)
@@ -104,7 +115,8 @@ def test_quirks_agree(nixl_required, tmp_path, quirk: str) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", FAULTS)
 def test_fault_files_agree(nixl_required, tmp_path, name: str) -> None:
-    _compare(load_scenarios(ROOT / "scenarios" / "faults" / f"{name}.toml"), tmp_path)
+    _compare(load_scenarios(ROOT / "scenarios" / "faults" / f"{name}.toml"), tmp_path,
+             expectations=True)
 
 
 def test_only_the_push_lease_race_is_forgiven() -> None:

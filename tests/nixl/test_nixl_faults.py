@@ -1,6 +1,7 @@
-"""Faults on the real NIXL backend: the fault matrix files that both backends can inject meet
-the same expectations as on the simulator, and a few hundred requests with mixed faults keep
-the invariants (issue #6)."""
+"""Faults on the real NIXL backend: a poll fault still tells the peer, and a few hundred requests
+with mixed faults keep the invariants (issue #6). The fault matrix files that both backends can
+inject meet their expectations on NIXL in tests/nixl/test_backend_agreement.py, on the same real
+runs that are compared with the simulator's."""
 
 from __future__ import annotations
 
@@ -10,22 +11,11 @@ from pathlib import Path
 import pytest
 
 from hkvsim.drivers.nixl import NixlRunOptions, run_scenario_nixl
-from hkvsim.results import expectation_problems, result_json
+from hkvsim.results import result_json
 from hkvsim.scenario import load_scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
 KNOWN = {"transfer_setup_failed", "transfer_failed", "transfer_exception", "stall"}
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", ["fail-transfer", "stall-transfer", "drop-notification-pull",
-                                  "drop-notification-push", "fail-setup-and-poll"])
-def test_fault_matrix_on_nixl(nixl_required, tmp_path, name: str) -> None:
-    for scenario in load_scenarios(ROOT / "scenarios" / "faults" / f"{name}.toml"):
-        result = run_scenario_nixl(scenario, options=NixlRunOptions(
-            log_dir=str(tmp_path / "logs")))
-        assert expectation_problems(result) == [], (scenario.where, result_json(result)["leaks"])
-        assert result.hung == 0 and result.corrupted == 0
 
 
 @pytest.mark.timeout(240)

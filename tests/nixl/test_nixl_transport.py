@@ -207,3 +207,22 @@ def test_listener_is_never_enabled(monkeypatch) -> None:
     monkeypatch.setattr(api, "nixl_agent_config", spy)
     mod.NixlTransport("t-spy").close()
     assert seen["enable_listen_thread"] is False
+
+
+@pytest.mark.timeout(60)
+def test_loading_nixl_does_not_import_torch(nixl_required) -> None:
+    """In a fresh interpreter, as in every rank process: NIXL loads and torch stays out (the meta
+    package imports a CPU build of torch to learn it has no CUDA: ~2.4 s of CPU per rank here).
+    Meaningful where torch is installed, as in scripts/test's environment."""
+    import subprocess
+    import sys
+
+    from hkvsim.transport.nixl import installed_nixl_backends
+
+    if len(installed_nixl_backends()) != 1:
+        pytest.skip("several NIXL backend wheels: the meta package chooses (and may import torch)")
+    code = ("import sys; from hkvsim.transport.nixl import load_nixl; api = load_nixl(); "
+            "print(api.__name__, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=50, check=True).stdout.split()
+    assert out[1] == "False", out
