@@ -6,12 +6,14 @@ import dataclasses
 import json
 import re
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from hkvsim.cli import main
 from hkvsim.cluster import run_scenario
+from hkvsim.implementations.vllm.engine import release_workers
 from hkvsim.scenario import load_scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -284,10 +286,44 @@ def test_kill_rank_fails_the_same_requests_as_hkvsims_core(vllm_required: str) -
         assert vllm.records[0].status == "ok" and vllm.records[0].mismatched_words == 0
 
 
+def test_a_harness_replaced_by_the_next_ends_its_workers_once(vllm_required: str) -> None:
+    # a harness driven directly, a READ still in flight: the next harness shuts its workers
+    # down (once) as it starts, and collecting them later raises nothing. vLLM's __del__ used
+    # to shut them down again, failing on the handle in flight, from inside whatever later run
+    # collected them (and pytest's hook for that error then held the worker: the test below
+    # failed whenever one of these direct-harness tests ran just before it on its xdist worker)
+    import gc
+    import weakref
+
+    env, harness = _handshaken_tiny_deepseek_pair()
+    assert harness.start_load(harness.engines["d"][0], "r", "r", "p", ([1],), ([2],)) is None
+    workers = [weakref.ref(r.worker) for ranks in harness.engines.values()
+               for r in ranks.values()]
+    del harness, env
+    errors: list[str] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: errors.append(f"{u.exc_type.__name__}: {u.exc_value}")
+    try:
+        _handshaken_tiny_deepseek_pair()  # the next harness
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+        release_workers()
+    assert errors == [], errors
+    assert [w() for w in workers] == [None, None]
+
+
+def _referrer(obj) -> str:
+    """What holds a leftover worker, in a line (frames by function and line)."""
+    if isinstance(obj, types.FrameType):
+        return f"frame {obj.f_code.co_name} at {obj.f_code.co_filename}:{obj.f_lineno}"
+    return f"{type(obj).__name__} {repr(obj)[:120]}"
+
+
 def test_a_run_leaves_no_vllm_worker_for_a_later_collection(vllm_required: str) -> None:
-    # vLLM's worker shuts down again in its __del__ (releasing handles that may still be
-    # active, which raises): that must happen inside the run, not at whatever moment a later
-    # garbage collection finds the worker (CPython 3.11 then failed an unrelated ast.parse)
+    # vLLM's worker shuts down in its __del__ too (releasing handles that may still be active,
+    # which raises): a run's workers must end inside the run, not at whatever moment a later
+    # garbage collection finds them (CPython 3.11 then failed an unrelated ast.parse)
     import gc
 
     # a fault run: a transfer is still active when vLLM shuts down
@@ -298,6 +334,7 @@ def test_a_run_leaves_no_vllm_worker_for_a_later_collection(vllm_required: str) 
         left = [o for o in gc.get_objects()
                 if any(c.__name__ == "NixlBaseConnectorWorker" or
                        c.__name__ == "NixlConnectorWorker" for c in type(o).__mro__)]
+        held = [[_referrer(r) for r in gc.get_referrers(o)] for o in left]
     finally:
         gc.enable()
-    assert left == [], f"{len(left)} vLLM worker(s) still alive after the run"
+    assert left == [], f"{len(left)} vLLM worker(s) still alive after the run, held by {held}"

@@ -426,6 +426,10 @@ class VllmHarness:
         """Point vLLM's connector modules at this harness (patched once per process; the
         patches consult the active harness, so a later harness replaces an earlier one)."""
         global _ACTIVE
+        if _ACTIVE is not None and _ACTIVE is not self:
+            # a harness driven directly (not through a run) is released when the next one
+            # starts, so its workers end here and not inside the next run's collections
+            _ACTIVE.release()
         _ACTIVE = self
         if _PATCHED:
             return
@@ -658,17 +662,38 @@ class VllmHarness:
         return None
 
     def shutdown_rank(self, rank: VllmRank) -> None:
+        """vLLM's shutdown of one rank's worker, once: a failure is logged (what the worker
+        leaves behind is the run's after-shutdown leak). vLLM's ``__del__`` shuts the worker down
+        again, and a shutdown that failed here (releasing a handle still in flight) fails there
+        too, at whatever moment a collection finds the worker, inside unrelated work; after this
+        call the worker's own ``shutdown`` does nothing, so its finalizer has nothing left to do."""
+        worker = rank.worker
+        if getattr(worker, "shutdown", None) is _shut_down:
+            return
         try:
-            rank.worker.shutdown()
+            worker.shutdown()
         except Exception as exc:
             log.warning("vLLM's shutdown of %s.%d failed: %s", rank.engine_id, rank.rank,
                         vllm_failure(exc))
+        finally:
+            worker.shutdown = _shut_down  # an instance attribute: what __del__ calls
 
-    def shutdown(self) -> None:
+    def release(self) -> None:
+        """Shut down every worker this harness built that is not shut down yet (each once,
+        :meth:`shutdown_rank`), drop them, and hold the clock at its current reading (the
+        run's clock would keep the run alive)."""
         for ranks in self.engines.values():
             for r in ranks.values():
-                with contextlib.suppress(Exception):
-                    r.worker.shutdown()
+                self.shutdown_rank(r)
+        ended = float(self.now())
+        self.now = lambda: ended
+        self.engines.clear()
+        self._building = None
+
+
+def _shut_down() -> None:
+    """A vLLM worker's ``shutdown`` once the harness has shut it down (``shutdown_rank``)."""
+    return None
 
 
 _ACTIVE: "VllmHarness | None" = None
@@ -676,17 +701,14 @@ _PATCHED: list[bool] = []
 
 
 def release_workers() -> None:
-    """A run is over: the active harness drops its vLLM workers and their garbage is collected
-    now, so that their ``__del__`` (vLLM's worker shuts down again there, releasing handles that
-    may still be active) runs inside the run that made them, with the harness's clock still in
-    place, and not at whatever moment a later collection finds them: CPython 3.11 failed an
+    """A run is over: the active harness releases its vLLM workers (each shut down once,
+    ``VllmHarness.release``) and their garbage is collected now, inside the run that made them,
+    and not at whatever moment a later collection finds them: vLLM's ``__del__`` used to shut a
+    worker down a second time, releasing handles still in flight, and CPython 3.11 failed an
     unrelated ``ast.parse`` with "AST constructor recursion depth mismatch" when that finalizer
     raised in the middle of it (seen at pytest's session end under vLLM 0.26.0)."""
     if _ACTIVE is not None:
-        ended = float(_ACTIVE.now())
-        _ACTIVE.now = lambda: ended  # the run's clock held the run (its driver) alive
-        _ACTIVE.engines.clear()
-        _ACTIVE._building = None
+        _ACTIVE.release()
     gc.collect()
 
 
