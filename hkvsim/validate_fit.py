@@ -27,7 +27,8 @@ run, the oracle's fill and check queue for a core too. Its constants:
   in the FIT runs' own processes (CPU time per operation kind, :func:`measured_cpu`), not
   fitted;
 * ``host_copy_core_gbps``: what one core copies, as whole scenarios see it (fitted);
-* ``completion_notice_us``: a completed transfer noticed by the rank's poll loop (fitted).
+* ``completion_notice_us``: a completed transfer noticed by the rank's poll loop (fitted);
+* ``core_contention``: how much busy cores of a node slow each other's work (fitted).
 
 Procedure (nothing here looks at the held-out files until the constants are fixed):
 
@@ -41,8 +42,8 @@ Procedure (nothing here looks at the held-out files until the constants are fixe
    half of a calibration met a different machine: on this VM two sessions ten minutes apart
    differed by as much as the bound). Per FIT file the median of the runs' steady-state means
    is the target, their spread is reported; the held-out runs are not looked at until step 4.
-3. Every FIT file is simulated at every point of a grid of (per-core rate, completion notice),
-   with the measured constants;
+3. Every FIT file is simulated at every point of a grid of (core contention, per-core rate,
+   completion notice), with the measured constants;
    the point with the smallest mean |log(simulated / real)| over the FIT files wins (an L1 fit in
    log space: symmetric in over- and under-prediction, no square to let one noisy file dominate;
    on repeated fits of this machine it moved far less than the median-|error| criterion tried
@@ -79,7 +80,8 @@ from .validate import (ACCEPT_MEDIAN, ACCEPT_WORST, FileResult, SimAgainstReal,
                        resampled_verdict, shown_path, steady_transfer_mean, summary,
                        with_profile, within_bounds)
 
-__all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "HOST_KEYS", "check_load",
+__all__ = ["HostFit", "LoadError", "GRID_GBPS", "GRID_NOTICE_US", "GRID_CONTENTION", "HOST_KEYS",
+           "check_load",
            "dispatch_split", "fit_host", "host_block", "measure_coordinator_message",
            "measured_cpu", "oracle_cost", "rank_poll_periods_us", "replace_host_block",
            "calibrate_host", "ReplayedFile", "replay_host"]
@@ -89,12 +91,14 @@ GRID_GBPS: tuple[float, ...] = tuple(round(1.25 ** k, 4) for k in range(0, 13))
 #: Completion notices tried (us).
 GRID_NOTICE_US: tuple[float, ...] = (1.0, 50.0, 100.0, 200.0, 300.0, 500.0, 700.0, 1000.0,
                                      1500.0)
+#: Core contentions tried (``core_contention``: slowdown per other busy core of the node).
+GRID_CONTENTION: tuple[float, ...] = (0.0, 0.25, 0.5)
 #: Rank dispatches tried (us).
 HOST_KEYS = ("host_copy_cores", "host_copy_core_gbps", "rank_dispatch_us", "rank_op_dispatch_us",
              "rank_op_dispatch_unprepped_us", "oracle_core_gbps",
              "oracle_op_us", "peer_poll_idle_us", "peer_poll_busy_us", "completion_notice_us",
              "coordinator_message_us", "coordinator_call_us", "rank_dispatch_unprepped_us",
-             "poll_cpu_us")
+             "poll_cpu_us", "core_contention")
 _BLOCK_START = "# ---- host-path model (hkvsim calibrate --host"
 
 
@@ -118,6 +122,7 @@ class HostFit:
     rank_op_dispatch_us: float = 0.0  # a rank's CPU per StartRead / StartWrite, before its posts
     rank_op_dispatch_unprepped_us: float = 0.0  # ... when it posts raw descriptors
     poll_cpu_us: float = 0.0  # a rank loop's CPU per idle NIXL poll (0: not modelled)
+    core_contention: float = 0.0  # slowdown per other busy core of the node (0: none)
 
     def overrides(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -143,6 +148,8 @@ class HostFit:
             out["rank_op_dispatch_us"] = self.rank_op_dispatch_us
         if self.rank_op_dispatch_unprepped_us:
             out["rank_op_dispatch_unprepped_us"] = self.rank_op_dispatch_unprepped_us
+        if self.core_contention:
+            out["core_contention"] = self.core_contention
         return out
 
 
@@ -206,8 +213,10 @@ def _sim(scenario: Any, profile: Path | None, overrides: dict[str, Any]) -> floa
 def fit_host(scenarios: Sequence[Any], real: Sequence[float], *, base: HostFit,
              profile: Path | None = None, grid: Sequence[float] = GRID_GBPS,
              notice_grid: Sequence[float] = GRID_NOTICE_US,
-             dispatch_grid: Sequence[float] | None = None) -> tuple[HostFit, list[float]]:
-    """The (per-core rate, rank dispatch, completion notice) grid point that best predicts
+             dispatch_grid: Sequence[float] | None = None,
+             contention_grid: Sequence[float] = GRID_CONTENTION) -> tuple[HostFit, list[float]]:
+    """The (per-core rate, rank dispatch, completion notice, core contention) grid point that
+    best predicts
     ``real`` (seconds, one per scenario) and the simulated times of the FIT files with it
     (module docstring, step 3); ties go to the point met first (grid order). ``base`` holds the
     constants that are not fitted (its rate and notice are ignored); the dispatch is fitted only
@@ -215,15 +224,16 @@ def fit_host(scenarios: Sequence[Any], real: Sequence[float], *, base: HostFit,
     if len(scenarios) != len(real) or not scenarios:
         raise ValidationError("fit_host: need one real time per FIT scenario, at least one")
     best: tuple[float, HostFit, list[float]] | None = None
-    for gbps in grid:
-        for dispatch in dispatch_grid or (base.rank_dispatch_us,):
-            for notice in notice_grid:
-                trial = replace(base, core_gbps=gbps, completion_notice_us=notice,
-                                rank_dispatch_us=dispatch)
-                sims = [_sim(s, profile, trial.overrides()) for s in scenarios]
-                cost = statistics.fmean(abs(math.log(s / r)) for s, r in zip(sims, real))
-                if best is None or cost < best[0]:
-                    best = (cost, trial, sims)
+    for contention in contention_grid:
+        for gbps in grid:
+            for dispatch in dispatch_grid or (base.rank_dispatch_us,):
+                for notice in notice_grid:
+                    trial = replace(base, core_gbps=gbps, completion_notice_us=notice,
+                                    rank_dispatch_us=dispatch, core_contention=contention)
+                    sims = [_sim(s, profile, trial.overrides()) for s in scenarios]
+                    cost = statistics.fmean(abs(math.log(s / r)) for s, r in zip(sims, real))
+                    if best is None or cost < best[0]:
+                        best = (cost, trial, sims)
     assert best is not None
     return best[1], best[2]
 
@@ -422,6 +432,15 @@ oracle_core_gbps = {fit.oracle_core_gbps}
 oracle_op_us = {fit.oracle_op_us}"""
 
 
+def _contention_lines(fit: HostFit) -> str:
+    if not fit.core_contention:
+        return "# core_contention: none (the fit's grid point 0: busy cores do not slow each other)"
+    return f"""# Busy cores slow each other (memory bandwidth, caches, the hypervisor): CPU work that finds
+# k of the node's cores busy runs 1 + core_contention * (k - 1) times as long; fitted with
+# host_copy_core_gbps (above).
+core_contention = {fit.core_contention}"""
+
+
 def host_block(fit: HostFit, meta: dict[str, Any]) -> str:
     """The profile lines for the host constants, each with where it comes from."""
     return f"""
@@ -444,6 +463,7 @@ host_copy_core_gbps = {fit.core_gbps}
 # A completed transfer noticed by the rank's poll loop (it sleeps 0.1 ms busy / 1 ms idle
 # between NIXL polls), plus scheduling: fitted with host_copy_core_gbps (above).
 completion_notice_us = {fit.completion_notice_us}
+{_contention_lines(fit)}
 {_oracle_lines(fit)}
 # The rank's completion message to the coordinator: half the median round trip of a 64-byte
 # ping-pong between two spawned processes over a local pipe (200 rounds).
@@ -623,6 +643,9 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
         "measured, not modelled) |",
         f"| completion_notice_us | {fit['completion_notice_us']} | fitted, with the rate (grid "
         f"{', '.join(f'{n:g}' for n in GRID_NOTICE_US)} us) |",
+        f"| core_contention | {fit.get('core_contention', 0.0):g} | fitted, with the rate (grid "
+        f"{', '.join(f'{c:g}' for c in GRID_CONTENTION)}): work that finds k of the node's "
+        "cores busy runs 1 + core_contention x (k - 1) times as long |",
         f"| oracle_core_gbps / oracle_op_us | {fit['oracle_core_gbps']} / "
         f"{fit['oracle_op_us']} | measured in the FIT runs' ranks: "
         f"{cpu['oracle_ops']:,} fills and checks of {cpu['oracle_bytes'] / 1e6:,.1f} MB in "
@@ -706,7 +729,7 @@ def replay_host(record: Any, *, profile_in: Path, grid: Sequence[float] = GRID_G
     """Refit and judge a ``calibrate --host`` run on its stored real runs with the code as it
     is now (what a change to the host-path model would have scored on that machine), without
     running anything real. The measured constants are the record's (measured then); the
-    per-core rate and the completion notice are refitted on the FIT files' stored real medians
+    per-core rate, the completion notice and the core contention are refitted on the FIT files' stored real medians
     (:func:`fit_host`), and the held-out files are simulated with the candidate and set against
     their stored runs. Nothing is written: the held-out runs of a record have been looked at
     before, so a replay explores a model change; only a fresh calibration may accept one."""

@@ -32,7 +32,8 @@ Model of one ``Fabric.transfer``:
    ``poll_cpu_us`` the other rank processes of the node poll NIXL on the same cores: CPU work
    that finds ``k`` of the node's cores busy (itself included) is stretched by
    ``max(1, k / max(cores - demand, 1))``, ``demand`` being the other ranks' polling
-   (``FabricProfile.poll_demand`` of a core each).
+   (``FabricProfile.poll_demand`` of a core each). With ``core_contention`` it is stretched
+   by ``1 + core_contention * (k - 1)`` more (busy cores slow each other down).
 3. **Latency.** ``done = wire_end + path latency`` (0 for a same-endpoint copy,
    ``intra_node_latency`` within a node, ``inter_node_latency`` across nodes) ``+ the profile's
    completion overhead`` (0 unless the profile models it). Paths, including the shared per-node
@@ -397,16 +398,22 @@ class Fabric:
 
     def _polling_stretch(self, node: int, own_rank: bool = True) -> float:
         """How many times longer CPU work starting now on a core of ``node`` takes because the
-        node's rank processes (but the one doing it, ``own_rank``) poll NIXL on its cores
-        (module docstring, host path); 1.0 when the profile does not model polling CPU."""
+        node's rank processes (but the one doing it, ``own_rank``) poll NIXL on its cores and
+        because its other busy cores slow it (``core_contention``) (module docstring, host
+        path); 1.0 when the profile models neither."""
         p = self.profile
-        if not p.poll_cpu:
+        if not p.poll_cpu and not p.core_contention:
             return 1.0
         cores = p.host_cores
         assert cores is not None
-        pollers = self._ranks_on_node.get(node, 0) - int(own_rank)
         held = self._node_cores(node).count  # cores doing work now, this job's included
-        return max(1.0, held / max(cores - pollers * p.poll_demand, 1.0))
+        stretch = 1.0
+        if p.poll_cpu:
+            pollers = self._ranks_on_node.get(node, 0) - int(own_rank)
+            stretch = max(1.0, held / max(cores - pollers * p.poll_demand, 1.0))
+        if p.core_contention:  # busy cores slow each other (memory, caches, hypervisor)
+            stretch *= 1.0 + p.core_contention * (held - 1)
+        return stretch
 
     def handshake(self, src: Hashable, dst: Hashable) -> simpy.Event:
         """An event that succeeds when a handshake started now between ``src`` and ``dst``

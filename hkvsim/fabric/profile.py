@@ -47,6 +47,12 @@ Optional host-path keys (absent = not modelled; the GPU profiles leave them out)
   node's other rank processes. (A busy rank's few iterations between a post and its completion
   are the completion notice, below.) Measured by ``hkvsim calibrate --host`` in the real
   ranks' loops; absent = polling costs no CPU.
+* ``core_contention`` (only with ``host_copy_cores``; a number, no unit): CPU work slows when
+  the node's other cores are busy too (memory bandwidth, caches and the hypervisor are shared:
+  on the 2-core CI VM two processes copying at once each copy at ~70 % of one alone, two
+  running Python at ~80 %). A job that finds ``k`` of the node's cores busy (itself included)
+  runs ``1 + core_contention * (k - 1)`` times as long, on top of the polling stretch above.
+  Fitted by ``hkvsim calibrate --host`` with the per-core rate; absent = no contention.
 * ``coordinator_call_us`` (only with ``host_copy_cores``): the coordinator's CPU per operation
   it sends a rank (deciding it, encoding it, writing it to the rank's socket), on the
   coordinator's one thread and a core of node 0: a request's calls reach its ranks one after
@@ -171,6 +177,7 @@ _SCHEMA: Final[tuple[_Field, ...]] = (
     _Field("peer_poll_idle", "peer_poll_idle_us", "float", "us", optional=True),
     _Field("peer_poll_busy", "peer_poll_busy_us", "float", "us", optional=True),
     _Field("poll_cpu", "poll_cpu_us", "float", "us", optional=True),
+    _Field("core_contention", "core_contention", "float", optional=True),
     _Field("completion_notice", "completion_notice_us", "float", "us", optional=True),
     _Field("coordinator_message", "coordinator_message_us", "float", "us", optional=True),
 )
@@ -254,6 +261,7 @@ class FabricProfile:
     peer_poll_idle: float = 0.0  # seconds between a remote rank's NIXL polls, idle (host path)
     peer_poll_busy: float = 0.0  # ... and with transfers in flight
     poll_cpu: float = 0.0  # seconds of CPU per idle loop iteration of a rank (host path)
+    core_contention: float = 0.0  # slowdown per other busy core of the node (host path)
     completion_notice: float = 0.0  # seconds: the rank's poll loop noticing a completion
     coordinator_message: float = 0.0  # seconds: the rank's completion message to the coordinator
 
@@ -318,7 +326,7 @@ class FabricProfile:
 _NEED_HOST_CORES: Final[tuple[str, ...]] = ("rank_dispatch", "oracle_core_bandwidth",
                                             "peer_poll_idle", "coordinator_call",
                                             "rank_dispatch_unprepped", "rank_op_dispatch",
-                                            "rank_op_dispatch_unprepped")
+                                            "rank_op_dispatch_unprepped", "core_contention")
 
 
 def _check_host_copy(get: Callable[[str], Any], memory: str, where: str) -> None:
