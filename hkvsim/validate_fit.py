@@ -725,7 +725,8 @@ def _stored_files(record: Any, key: str) -> list[tuple[Path, tuple[float, ...]]]
 
 
 def replay_host(record: Any, *, profile_in: Path, grid: Sequence[float] = GRID_GBPS,
-                notice_grid: Sequence[float] = GRID_NOTICE_US) -> dict[str, Any]:
+                notice_grid: Sequence[float] = GRID_NOTICE_US,
+                contention_grid: Sequence[float] = GRID_CONTENTION) -> dict[str, Any]:
     """Refit and judge a ``calibrate --host`` run on its stored real runs with the code as it
     is now (what a change to the host-path model would have scored on that machine), without
     running anything real. The measured constants are the record's (measured then); the
@@ -750,7 +751,8 @@ def replay_host(record: Any, *, profile_in: Path, grid: Sequence[float] = GRID_G
     fit_scen = _load_files([p for p, _ in fit_stored])
     held_scen = _load_files([p for p, _ in held_stored])
     fit, fit_sims = fit_host(fit_scen, [float(statistics.median(r)) for _, r in fit_stored],
-                             base=base, profile=profile_in, grid=grid, notice_grid=notice_grid)
+                             base=base, profile=profile_in, grid=grid, notice_grid=notice_grid,
+                             contention_grid=contention_grid)
     meta = dict(record.get("meta") or {})
     meta.setdefault("when", "?")
     block_meta = {"fit_source": "?", "held_out_source": "?", "fit_files": len(fit_stored),

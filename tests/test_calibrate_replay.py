@@ -26,6 +26,7 @@ STORED = HostFit(cores=2, core_gbps=1.0, completion_notice_us=1.0, coordinator_m
                  coordinator_call_us=200.0)
 TRUE_GBPS, TRUE_NOTICE = 2.4414, 500.0
 GRID, NOTICES = (1.0, TRUE_GBPS), (1.0, TRUE_NOTICE)
+CONTENTIONS = (0.0,)  # the stored times have none (fit with contention: tests/test_host_path.py)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,8 @@ def test_replay_refits_on_the_stored_fit_runs_and_judges_the_stored_held_out_run
     before = DEFAULT_PROFILE.read_bytes()
     # FIT runs around the truth (median = truth); held-out runs 1.5x faster than simulated
     record = _record([fit_t * 0.9, fit_t, fit_t * 1.2], [held_t / 1.5] * 3)
-    out = replay_host(record, profile_in=DEFAULT_PROFILE, grid=GRID, notice_grid=NOTICES)
+    out = replay_host(record, profile_in=DEFAULT_PROFILE, grid=GRID, notice_grid=NOTICES,
+                      contention_grid=CONTENTIONS)
     # the rate and notice are refitted (the stored 1.0 GB/s / 1 us are not kept) ...
     assert (out["fit"]["core_gbps"], out["fit"]["completion_notice_us"]) == (TRUE_GBPS,
                                                                             TRUE_NOTICE)
@@ -78,7 +80,8 @@ def test_a_replay_within_the_bounds_exits_0_and_one_outside_exits_1(truth, tmp_p
     full = vf.fit_host
 
     def small(*args, **kwargs):
-        return full(*args, **{**kwargs, "grid": GRID, "notice_grid": NOTICES})
+        return full(*args, **{**kwargs, "grid": GRID, "notice_grid": NOTICES,
+                               "contention_grid": CONTENTIONS})
 
     monkeypatch.setattr(vf, "fit_host", small)
     assert main(["calibrate", "--host", "--replay", str(good)]) == 0
@@ -100,7 +103,8 @@ def test_bad_records_are_refused_naming_what_is_wrong(mangle, says):
     record = _record([1e-3], [1e-3])
     mangle(record)
     with pytest.raises(ValidationError) as err:
-        replay_host(record, profile_in=DEFAULT_PROFILE, grid=GRID, notice_grid=NOTICES)
+        replay_host(record, profile_in=DEFAULT_PROFILE, grid=GRID, notice_grid=NOTICES,
+                      contention_grid=CONTENTIONS)
     assert says in str(err.value)
 
 
@@ -134,7 +138,8 @@ def test_the_committed_refused_calibration_replays_to_its_own_simulated_times():
     record = json.loads(path.read_text())
     fit = record["fit"]
     out = replay_host(record, profile_in=DEFAULT_PROFILE, grid=(fit["core_gbps"],),
-                      notice_grid=(fit["completion_notice_us"],))
+                      notice_grid=(fit["completion_notice_us"],),
+                      contention_grid=(fit.get("core_contention", 0.0),))
     for key in ("fit_files", "held_out_files"):
         assert [r["sim_seconds"] for r in out[key]] == pytest.approx(
             [r["sim_seconds"] for r in record[key]], rel=1e-9), key

@@ -460,3 +460,64 @@ def test_rank_loops_report_their_polls_and_calibration_takes_the_idle_ones() -> 
     assert cpu["poll_iterations"] == (3, 1)
     assert measured_cpu([_with_rank_cpu(older | {"by_op": {"StartRead": [1, 0.01, 0]},
                                                  "posts": 1})])["poll_cpu_us"] == 0.0
+
+
+# ---- busy cores slowing each other -----------------------------------------------------------
+def test_busy_cores_slow_each_other_by_the_contention() -> None:
+    """Two copies at once on the two cores each take 1 + c longer; one alone, and a third that
+    queues until a core frees and then runs beside the other, are priced by how many cores are
+    busy when it starts. On top of the polling stretch, not instead of it."""
+    nbytes = 10**7  # 10 ms at 1 GB/s per core
+    env, fabric = _fabric(HOST)
+    ref = fabric.transfer(initiator="a", src="a", dst="b", nbytes=nbytes, descriptors=1)
+    env.run()
+    one = ref.value.wire_time
+    env, fabric = _fabric({**HOST, "core_contention": 0.25})
+    alone = fabric.transfer(initiator="a", src="a", dst="b", nbytes=nbytes, descriptors=1)
+    env.run()
+    assert alone.value.wire_time == pytest.approx(one, rel=1e-12)
+    env, fabric = _fabric({**HOST, "core_contention": 0.25})
+    pair = [fabric.transfer(initiator=k, src=k, dst="d", nbytes=nbytes, descriptors=1)
+            for k in "ab"]
+    env.run()
+    assert [t.value.wire_time for t in pair] == pytest.approx([1.25 * one] * 2, rel=1e-12)
+    # with the polling stretch (2x, as in the test above): both apply
+    env, fabric = _fabric({**POLL, "core_contention": 0.25})
+    pair = [fabric.transfer(initiator=k, src=k, dst="d", nbytes=nbytes, descriptors=1)
+            for k in "ab"]
+    env.run()
+    assert [t.value.wire_time for t in pair] == pytest.approx([2 * 1.25 * one] * 2, rel=1e-12)
+    # the coordinator's work beside a rank's is slowed too
+    env, fabric = _fabric({**HOST, "core_contention": 0.5})
+    busy = fabric.cpu_work("a", 10e-3)
+    coord = fabric.coordinator_work(10e-3)
+    env.run()
+    assert busy.processed and coord.processed and env.now == pytest.approx(15e-3, rel=1e-12)
+
+
+def test_core_contention_needs_the_host_model_and_is_positive() -> None:
+    from hkvsim.fabric import ProfileError
+
+    with pytest.raises(ProfileError, match="core_contention"):
+        load_profile(CPU, overrides={"core_contention": 0.25})
+    with pytest.raises(ProfileError, match="'core_contention' = -0.25: expected"):
+        load_profile(CPU, overrides={**HOST, "core_contention": -0.25})
+    assert load_profile(CPU, overrides={**HOST, "core_contention": 0.25}).core_contention == 0.25
+    assert load_profile(CPU, overrides=HOST).core_contention == 0.0
+
+
+def test_the_fit_searches_the_contention_and_writes_it_into_the_profile(tmp_path: Path) -> None:
+    from hkvsim.validate_fit import GRID_CONTENTION, HostFit, host_block, replace_host_block
+
+    assert GRID_CONTENTION[0] == 0.0 and len(GRID_CONTENTION) >= 3  # none is a candidate
+    fit = HostFit(cores=2, core_gbps=4.7684, completion_notice_us=300.0,
+                  coordinator_message_us=30.0, core_contention=0.25)
+    assert fit.overrides()["core_contention"] == 0.25
+    assert "core_contention" not in HostFit(2, 4.0, 300.0, 30.0).overrides()
+    meta = {"when": "now", "fit_source": "scenarios/fit/", "held_out_source": "v", "fit_files": 9,
+            "repeats": 5, "load_min": 0.1, "load_max": 1.0, "forced": False,
+            "held_out_median": "12 %", "held_out_worst": "21 %"}
+    text = replace_host_block(CPU_BASE.read_text(), host_block(fit, meta))
+    assert "\ncore_contention = 0.25\n" in text
+    (tmp_path / "p.toml").write_text(text)
+    assert load_profile(str(tmp_path / "p.toml")).core_contention == 0.25

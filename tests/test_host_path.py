@@ -316,13 +316,15 @@ def test_fit_recovers_the_constants_of_a_known_profile() -> None:
 
     files = sorted((ROOT / "scenarios/fit").glob("*.toml"))
     scen = [load_scenarios(f)[0] for f in files]
-    truth = HostFit(2, 3.0, 400.0, 10.0, 300.0, 2.0)
+    truth = HostFit(2, 3.0, 400.0, 10.0, 300.0, 2.0, core_contention=0.25)
     real = [_sim(s, CPU_BASE, truth.overrides()) for s in scen]
     base = HostFit(2, 0.0, 0.0, 10.0, 0.0, 2.0)  # the constants not fitted: cores, oracle
     fit, sims = fit_host(scen, real, base=base,
-                         grid=(1.0, 2.0, 3.0, 5.0), notice_grid=(1.0, 200.0, 400.0, 800.0),
-                         dispatch_grid=(0.0, 150.0, 300.0, 600.0), profile=CPU_BASE)
-    assert (fit.core_gbps, fit.rank_dispatch_us, fit.completion_notice_us) == (3.0, 300.0, 400.0)
+                         grid=(2.0, 3.0, 5.0), notice_grid=(200.0, 400.0),
+                         dispatch_grid=(150.0, 300.0), contention_grid=(0.0, 0.25, 0.5),
+                         profile=CPU_BASE)
+    assert (fit.core_gbps, fit.rank_dispatch_us, fit.completion_notice_us,
+            fit.core_contention) == (3.0, 300.0, 400.0, 0.25)
     assert sims == pytest.approx(real, rel=1e-9)
 
 
