@@ -636,9 +636,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of the sweep: fit the host-path constants (the node's CPU "
                         "cores shared by every rank's dispatch, post, copy, completion and "
                         "oracle work and the coordinator's; fitted: per-core copy rate, "
-                        "completion notice and core contention; measured in the real runs' processes: rank "
-                        "dispatch per post and per operation, coordinator CPU per call, oracle "
-                        "CPU per operation and per byte, a rank loop's CPU per NIXL poll; "
+                        "completion notice and core contention; measured in the real runs' "
+                        "processes: rank dispatch per post and per operation, coordinator "
+                        "CPU per call, oracle CPU per operation and per byte, a rank loop's "
+                        "CPU per NIXL poll; "
                         "the rank loop's poll periods) on the FIT scenario files, "
                         "judge them on the held-out files, and write the profile only if the "
                         "held-out median |error| <= 15 %% and the worst <= 40 %%")
@@ -658,10 +659,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(refused otherwise; the load is recorded either way)")
     p.add_argument("--replay", default=None, metavar="JSON",
                    help="--host: instead of real runs, refit the per-core rate, notice and "
-                        "core contention on "
-                        "the FIT real runs stored in a calibration's JSON (host-path.json or "
-                        "host-path-refused.json) with the code as it is now, and judge the "
-                        "held-out files on their stored runs; needs no NIXL, writes nothing "
+                        "core contention on the FIT real runs stored in a calibration's JSON "
+                        "(host-path.json or host-path-refused.json) with the code as it is "
+                        "now, and judge the held-out files on their stored runs; needs no "
+                        "NIXL, writes nothing "
                         "(exit 0 within the bounds, 1 outside)")
     p.set_defaults(func=cmd_calibrate)
 

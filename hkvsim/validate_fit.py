@@ -216,11 +216,10 @@ def fit_host(scenarios: Sequence[Any], real: Sequence[float], *, base: HostFit,
              dispatch_grid: Sequence[float] | None = None,
              contention_grid: Sequence[float] = GRID_CONTENTION) -> tuple[HostFit, list[float]]:
     """The (per-core rate, rank dispatch, completion notice, core contention) grid point that
-    best predicts
-    ``real`` (seconds, one per scenario) and the simulated times of the FIT files with it
-    (module docstring, step 3); ties go to the point met first (grid order). ``base`` holds the
-    constants that are not fitted (its rate and notice are ignored); the dispatch is fitted only
-    when ``dispatch_grid`` is given (the calibration measures it: ``base``'s)."""
+    best predicts ``real`` (seconds, one per scenario) and the simulated times of the FIT files
+    with it (module docstring, step 3); ties go to the point met first (grid order). ``base``
+    holds the constants that are not fitted (its rate and notice are ignored); the dispatch is
+    fitted only when ``dispatch_grid`` is given (the calibration measures it: ``base``'s)."""
     if len(scenarios) != len(real) or not scenarios:
         raise ValidationError("fit_host: need one real time per FIT scenario, at least one")
     best: tuple[float, HostFit, list[float]] | None = None
@@ -435,9 +434,9 @@ oracle_op_us = {fit.oracle_op_us}"""
 def _contention_lines(fit: HostFit) -> str:
     if not fit.core_contention:
         return "# core_contention: none (the fit's grid point 0: busy cores do not slow each other)"
-    return f"""# Busy cores slow each other (memory bandwidth, caches, the hypervisor): CPU work that finds
-# k of the node's cores busy runs 1 + core_contention * (k - 1) times as long; fitted with
-# host_copy_core_gbps (above).
+    return f"""# Busy cores slow each other (memory, caches, the hypervisor): CPU work that
+# finds k of the node's cores busy runs 1 + core_contention * (k - 1) times as long; fitted
+# with host_copy_core_gbps (above).
 core_contention = {fit.core_contention}"""
 
 
@@ -730,10 +729,11 @@ def replay_host(record: Any, *, profile_in: Path, grid: Sequence[float] = GRID_G
     """Refit and judge a ``calibrate --host`` run on its stored real runs with the code as it
     is now (what a change to the host-path model would have scored on that machine), without
     running anything real. The measured constants are the record's (measured then); the
-    per-core rate, the completion notice and the core contention are refitted on the FIT files' stored real medians
-    (:func:`fit_host`), and the held-out files are simulated with the candidate and set against
-    their stored runs. Nothing is written: the held-out runs of a record have been looked at
-    before, so a replay explores a model change; only a fresh calibration may accept one."""
+    per-core rate, the completion notice and the core contention are refitted on the FIT files'
+    stored real medians (:func:`fit_host`), and the held-out files are simulated with the
+    candidate and set against their stored runs. Nothing is written: the held-out runs of a
+    record have been looked at before, so a replay explores a model change; only a fresh
+    calibration may accept one."""
     if not isinstance(record, dict) or not isinstance(record.get("fit"), dict):
         raise ValidationError("replay: no 'fit' object; allowed: the JSON that `hkvsim "
                               "calibrate --host` writes")
