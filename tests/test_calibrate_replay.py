@@ -104,7 +104,7 @@ def test_bad_records_are_refused_naming_what_is_wrong(mangle, says):
     mangle(record)
     with pytest.raises(ValidationError) as err:
         replay_host(record, profile_in=DEFAULT_PROFILE, grid=GRID, notice_grid=NOTICES,
-                      contention_grid=CONTENTIONS)
+                    contention_grid=CONTENTIONS)
     assert says in str(err.value)
 
 

@@ -464,9 +464,9 @@ def test_rank_loops_report_their_polls_and_calibration_takes_the_idle_ones() -> 
 
 # ---- busy cores slowing each other -----------------------------------------------------------
 def test_busy_cores_slow_each_other_by_the_contention() -> None:
-    """Two copies at once on the two cores each take 1 + c longer; one alone, and a third that
-    queues until a core frees and then runs beside the other, are priced by how many cores are
-    busy when it starts. On top of the polling stretch, not instead of it."""
+    """Two copies at once on the two cores each take 1 + c longer, one alone does not (work is
+    priced by how many cores are busy when it starts); on top of the polling stretch, not
+    instead of it; the coordinator's work too."""
     nbytes = 10**7  # 10 ms at 1 GB/s per core
     env, fabric = _fabric(HOST)
     ref = fabric.transfer(initiator="a", src="a", dst="b", nbytes=nbytes, descriptors=1)
