@@ -60,6 +60,7 @@ against a machine's measurements without running anything real, and nothing is w
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import multiprocessing
@@ -93,7 +94,7 @@ GRID_NOTICE_US: tuple[float, ...] = (1.0, 50.0, 100.0, 200.0, 300.0, 500.0, 700.
                                      1500.0)
 #: Core contentions tried (``core_contention``: slowdown per other busy core of the node).
 GRID_CONTENTION: tuple[float, ...] = (0.0, 0.25, 0.5)
-#: Rank dispatches tried (us).
+#: The profile keys of the host-path block (what ``replace_host_block`` removes).
 HOST_KEYS = ("host_copy_cores", "host_copy_core_gbps", "rank_dispatch_us", "rank_op_dispatch_us",
              "rank_op_dispatch_unprepped_us", "oracle_core_gbps",
              "oracle_op_us", "peer_poll_idle_us", "peer_poll_busy_us", "completion_notice_us",
@@ -223,16 +224,15 @@ def fit_host(scenarios: Sequence[Any], real: Sequence[float], *, base: HostFit,
     if len(scenarios) != len(real) or not scenarios:
         raise ValidationError("fit_host: need one real time per FIT scenario, at least one")
     best: tuple[float, HostFit, list[float]] | None = None
-    for contention in contention_grid:
-        for gbps in grid:
-            for dispatch in dispatch_grid or (base.rank_dispatch_us,):
-                for notice in notice_grid:
-                    trial = replace(base, core_gbps=gbps, completion_notice_us=notice,
-                                    rank_dispatch_us=dispatch, core_contention=contention)
-                    sims = [_sim(s, profile, trial.overrides()) for s in scenarios]
-                    cost = statistics.fmean(abs(math.log(s / r)) for s, r in zip(sims, real))
-                    if best is None or cost < best[0]:
-                        best = (cost, trial, sims)
+    points = itertools.product(contention_grid, grid, dispatch_grid or (base.rank_dispatch_us,),
+                               notice_grid)
+    for contention, gbps, dispatch, notice in points:
+        trial = replace(base, core_gbps=gbps, completion_notice_us=notice,
+                        rank_dispatch_us=dispatch, core_contention=contention)
+        sims = [_sim(s, profile, trial.overrides()) for s in scenarios]
+        cost = statistics.fmean(abs(math.log(s / r)) for s, r in zip(sims, real))
+        if best is None or cost < best[0]:
+            best = (cost, trial, sims)
     assert best is not None
     return best[1], best[2]
 

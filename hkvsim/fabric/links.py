@@ -387,16 +387,16 @@ class Fabric:
                 return
             with self._node_cores(0).request() as core:
                 yield core
-                yield self.env.timeout(seconds * self._polling_stretch(0, own_rank=False))
+                yield self.env.timeout(seconds * self._cpu_stretch(0, own_rank=False))
 
     def _on_a_core(self, ep: Endpoint, seconds: float) -> Generator[simpy.Event, Any, None]:
         with self._poster(ep).request() as thread:  # the rank's one thread does it
             yield thread
             with self._node_cores(ep.node).request() as core:
                 yield core
-                yield self.env.timeout(seconds * self._polling_stretch(ep.node))
+                yield self.env.timeout(seconds * self._cpu_stretch(ep.node))
 
-    def _polling_stretch(self, node: int, own_rank: bool = True) -> float:
+    def _cpu_stretch(self, node: int, own_rank: bool = True) -> float:
         """How many times longer CPU work starting now on a core of ``node`` takes because the
         node's rank processes (but the one doing it, ``own_rank``) poll NIXL on its cores and
         because its other busy cores slow it (``core_contention``) (module docstring, host
@@ -484,7 +484,7 @@ class Fabric:
             yield req
             with self._node_cores(poster.node).request() as core:
                 yield core
-                stretch = self._polling_stretch(poster.node)
+                stretch = self._cpu_stretch(poster.node)
                 if dispatch:
                     yield env.timeout(dispatch * stretch)
                 post_start = env.now
