@@ -479,10 +479,13 @@ def run_scenario(scenario: Scenario, *, timing_only: bool = False,
     """Run one scenario on the simulated fabric (``timing_only``: move no bytes, verify none;
     ``progress`` is called with each request's record as its serving ends)."""
     driver = SimDriver(scenario, timing_only=timing_only, progress=progress)
-    result = driver.run()
-    if driver.implementation:  # vLLM's own workers: their finalizers run here, not later
-        from ..implementations.vllm.engine import release_workers
+    try:
+        return driver.run()
+    finally:
+        # vLLM's own workers end here, whether the run returned or raised: shut down once and
+        # their finalizers left with nothing to do, not at a later collection
+        if driver.implementation:
+            from ..implementations.vllm.engine import release_workers
 
-        del driver
-        release_workers()
-    return result
+            del driver
+            release_workers()

@@ -338,3 +338,39 @@ def test_a_run_leaves_no_vllm_worker_for_a_later_collection(vllm_required: str) 
     finally:
         gc.enable()
     assert left == [], f"{len(left)} vLLM worker(s) still alive after the run, held by {held}"
+
+
+def test_a_run_that_raises_still_ends_its_vllm_workers(vllm_required: str) -> None:
+    # a run interrupted by an exception (here its progress callback's, after the first request)
+    # ends its vLLM workers as it unwinds; once the exception is dropped none is left for a
+    # later collection to shut down a second time
+    import gc
+
+    class Stop(Exception):
+        pass
+
+    def stop(record) -> None:
+        raise Stop(record.request_id)
+
+    # prefill TP1 -> decode TP2, three requests
+    scenario = load_scenarios(ROOT / "scenarios" / "vllm" / "tp-matrix-tiny-deepseek.toml")[1]
+    errors: list[str] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: errors.append(f"{u.exc_type.__name__}: {u.exc_value}")
+    gc.disable()  # no automatic collection may hide a worker left behind
+    try:
+        with pytest.raises(Stop):
+            run_scenario(scenario, progress=stop)
+        gc.collect()  # the unwound frames' cycles: garbage now, and nothing may raise
+        left = [o for o in gc.get_objects()
+                if any(c.__name__ in ("NixlBaseConnectorWorker", "NixlConnectorWorker")
+                       for c in type(o).__mro__)]
+        held = [[_referrer(r) for r in gc.get_referrers(o) if r is not left] for o in left]
+        count = len(left)
+        del left
+    finally:
+        gc.enable()
+        sys.unraisablehook = hook
+        release_workers()
+    assert count == 0, f"{count} vLLM worker(s) alive after the raising run, held by {held}"
+    assert errors == [], errors
