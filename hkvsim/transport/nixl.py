@@ -119,7 +119,8 @@ def nixl_api_candidates() -> tuple[str, ...]:
     backends = installed_nixl_backends()
     if len(backends) == 1 and "torch" not in sys.modules:
         return (f"{backends[0]}._api", "nixl._api")
-    return ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+    # the meta package first; should it fail, each backend wheel in turn (one list of names)
+    return ("nixl._api", *(f"{name}._api" for name in NIXL_BACKEND_MODULES))
 
 
 def load_nixl() -> Any:

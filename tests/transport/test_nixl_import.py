@@ -30,6 +30,9 @@ def test_the_meta_package_chooses_when_torch_is_loaded_or_there_is_a_choice(monk
     assert mod.nixl_api_candidates()[0] == "nixl._api"
     _installed(monkeypatch)  # none: the meta package's own error says why
     assert mod.nixl_api_candidates()[0] == "nixl._api"
+    # then each backend wheel once, the ROCm one too
+    assert sorted(mod.nixl_api_candidates()[1:]) == sorted(
+        f"{name}._api" for name in mod.NIXL_BACKEND_MODULES)
 
 
 def test_installed_backends_are_found_without_importing_them(monkeypatch) -> None:
@@ -39,4 +42,3 @@ def test_installed_backends_are_found_without_importing_them(monkeypatch) -> Non
     assert mod.installed_nixl_backends() == ("nixl_cu12",)
     found.add("nixl_cu13")
     assert mod.installed_nixl_backends() == ("nixl_cu13", "nixl_cu12")
-
