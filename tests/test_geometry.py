@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +11,8 @@ from hypothesis import strategies as st
 
 from hkvsim.geometry import GeometryError, build_layout, preset, preset_names
 from hkvsim.geometry.layout import registration_walk
-from hkvsim.geometry.specs import GQAAttentionSpec, MLAAttentionSpec, ModelSpec, kda_state
+from hkvsim.geometry.specs import (DTYPE_BYTES, GQAAttentionSpec, MLAAttentionSpec, ModelSpec,
+                                   kda_state)
 
 TPS = (1, 2, 4, 8)
 
@@ -163,3 +165,12 @@ def test_registration_walks() -> None:
     assert registration_walk(model, "attention-first")[:3] == (2, 5, 9)
     with pytest.raises(GeometryError, match="permutation"):
         registration_walk(model, [0, 0, 1])
+
+
+def test_dtype_sizes_follow_their_bit_widths() -> None:
+    # every byte count of the geometry scales with these: bfloat16 / float16 16 bits, float32
+    # 32, fp8 8 (the width each name ends with)
+    assert DTYPE_BYTES  # a dtype table emptied by mistake fails here, not silently
+    for name, size in DTYPE_BYTES.items():
+        bits = int(re.search(r"(\d+)$", name).group(1))
+        assert size * 8 == bits, (name, size)

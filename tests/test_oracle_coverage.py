@@ -120,6 +120,23 @@ def test_untransferred_tail_must_be_zero() -> None:
                          state_step=None)[0] == 0
 
 
+def test_words_left_in_the_tail_are_named_by_what_they_hold() -> None:
+    # foreign words in the zeroed tail: found, counted, and the first one's content named (the
+    # first wrong word of the first wrong token, not another word of that row)
+    layout, oracle, memory, blocks, _ = _setup("tiny-llama", 1)
+    tail = (TOKENS, layout.blocks_for_tokens(TOKENS) * layout.logical_block_size)
+    stale = memory.copy()
+    oracle.write_stale(stale, layout, 0, 4, blocks=blocks, tokens=tail)
+    tail_words = np.flatnonzero(stale.view(np.uint64) != memory.view(np.uint64))
+    # two neighbouring words of one row: request tag 8 (request#7) layer 3, then tag 6 layer 1
+    at = tail_words[len(tail_words) // 2 + 1]
+    assert tail_words[len(tail_words) // 2 + 2] == at + 1
+    memory.view(np.uint64)[at:at + 2] = [(8 << 48) | (3 << 40), (6 << 48) | (1 << 40)]
+    bad, found = oracle.verify_zeros(memory, layout, 0, engine="d", blocks=blocks, tokens=tail)
+    assert bad == 2 and len(found) == 1 and found[0].words == 2
+    assert found[0].got.startswith("request#7 layer 3"), found[0].got
+
+
 @settings(max_examples=200, deadline=None)
 @given(name=st.sampled_from(["tiny-kimi-linear", "tiny-llama", "tiny-qwen3-next"]),
        tp=st.sampled_from([1, 2]), data=st.data())
