@@ -16,6 +16,7 @@ MODELS = {
     "tiny-llama": "",
     "tiny-qwen3-next": "",
     "tiny-deepseek": 'attention_backend = "triton-mla"',
+    "tiny-kimi-linear": 'attention_backend = "triton-mla"',
 }
 PROMPTS = "[100, 333, 17, 1000]"
 
@@ -26,6 +27,9 @@ PROMPTS = "[100, 333, 17, 1000]"
 # * V6: SPLIT with r < 0 needs bsr == 1. tiny-qwen3-next P4->D2: P0/P1 both hold head 0, so
 #   a single split passes V10, but the SPLIT rule for r < 0 still rejects bsr > 1.
 # * tiny-deepseek is all REPLICATE (MLA): every pair is allowed.
+# * tiny-kimi-linear: MLA attention (one source) and KDA state read from every prefill rank
+#   it is split over: every pair is allowed, and P2->D1 / P4->D2 read through split handles
+#   in decode sub-blocks (the Kimi-Linear path no other model here takes).
 REJECTED = {
     ("tiny-llama", 2, 1, 32): "V10", ("tiny-llama", 2, 1, 64): "V10",
     ("tiny-llama", 4, 2, 32): "V10", ("tiny-llama", 4, 2, 64): "V10",
