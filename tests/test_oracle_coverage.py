@@ -120,6 +120,31 @@ def test_untransferred_tail_must_be_zero() -> None:
                          state_step=None)[0] == 0
 
 
+@pytest.mark.parametrize(("name", "block", "kind"), [("tiny-deepseek", 64, "MLA"),
+                                                      ("tiny-llama", 16, "K")])
+def test_blocks_read_one_off_are_named_by_the_tokens_they_hold(name, block, kind) -> None:
+    # every logical block written one physical block early (block j's tokens at ids[j - 1],
+    # block 0's at the last id): the window's first word then holds the second block's first
+    # token (`block`) and its last word (token 699) the first block's token 699 % block; the
+    # report must say so in tokens, the way a user finds an offset bug
+    layout, oracle, _, blocks, _ = _setup(name, 1)
+    assert layout.logical_block_size == block
+    (group,) = [g.group_id for g in layout.groups if g.kind == "attention"]
+    memory = np.zeros(layout.total_bytes, np.uint8)
+    oracle.write(memory, layout, 0, 9, blocks={group: np.roll(blocks[group], 1)},
+                 tokens=(0, TOKENS), state_step=None)
+    bad, found = oracle.verify(memory, layout, 0, 9, engine="d", blocks=blocks,
+                               tokens=(0, TOKENS), state_step=None)
+    assert bad == TOKENS * layout.model.kv_bytes_per_token(1) // 8  # every word moved
+    text = str(found[0])
+    assert f"tokens 0..{TOKENS - 1}" in text
+    assert f"got the bytes of request#9 layer 0 {kind} tokens {block}..{(TOKENS - 1) % block}" \
+        in text, text
+    if kind == "K":  # GQA: the first wrong word's token and head, against the one that belongs
+        assert (f"first wrong word holds request#9 layer 0 K token {block} head 0 where "
+                f"request#9 layer 0 K token 0 head 0 belongs") in text, text
+
+
 def test_words_left_in_the_tail_are_named_by_what_they_hold() -> None:
     # foreign words in the zeroed tail: found, counted, and the first one's content named (the
     # first wrong word of the first wrong token, not another word of that row)
