@@ -105,6 +105,29 @@ def test_wrong_field_rejected(field, value):
         decode_handshake(_outer(_pack_inner(inner)), expected_hash=HASH)
 
 
+_PER_REGION = ("base_addrs", "block_lens", "block_strides", "region_num_blocks",
+               "region_is_mla", "group_ids")
+
+
+def test_the_smallest_and_largest_legal_values_are_accepted():
+    # each bound itself is legal: one region, 1-token blocks (one kernel block per logical
+    # block, one block), the last rank of the largest TP; one step past each is refused
+    one_region = dict(INNER, **{k: INNER[k][:1] for k in _PER_REGION})
+    assert decode_handshake(_outer(_pack_inner(one_region)), expected_hash=HASH
+                            ).base_addrs == (INNER["base_addrs"][0],)
+    smallest = dict(INNER, block_size=1, logical_block_size=1, physical_blocks_per_logical=1,
+                    num_blocks=1, region_num_blocks=[1] * 7, tp_size=4096, tp_rank=4095)
+    got = decode_handshake(_outer(_pack_inner(smallest)), expected_hash=HASH)
+    assert (got.block_size, got.logical_block_size, got.tp_rank) == (1, 1, 4095)
+    no_region = dict(INNER, **{k: [] for k in _PER_REGION})
+    with pytest.raises(MetadataError, match="lists 0 regions; allowed: 1 to 1024"):
+        decode_handshake(_outer(_pack_inner(no_region)), expected_hash=HASH)
+    for field, value in (("tp_size", 4097), ("tp_rank", 4096), ("logical_block_size", 0)):
+        with pytest.raises(MetadataError, match=field):
+            decode_handshake(_outer(_pack_inner(dict(smallest, **{field: value}))),
+                             expected_hash=HASH)
+
+
 def test_missing_and_unknown_keys_rejected():
     inner = dict(INNER)
     del inner["ssm_sizes"]
