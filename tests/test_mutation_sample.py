@@ -1,0 +1,101 @@
+"""scripts/mutation-sample: the mutations it plants, and its verdicts on two known sites."""
+
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "mutation-sample"
+
+
+def _script():
+    loader = importlib.machinery.SourceFileLoader("mutation_sample", str(SCRIPT))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
+
+
+SOURCE = '''
+def f(a, b, items):
+    if a < 0:
+        raise ValueError(a)
+    if not items and b:
+        return a + b
+    return a * 2
+'''
+
+
+def test_each_kind_of_mutation_changes_what_it_names() -> None:
+    script = _script()
+    sites = script.mutation_sites(ast.parse(SOURCE))
+    labels = [script.describe(SOURCE, kind, node) for kind, node in sites]
+    assert labels == [
+        "line 3, raise skipped: a < 0",
+        "line 3, comparison: a < 0",
+        "line 3, constant + 1: 0",
+        "line 5, and/or: not items and b",
+        "line 5, not dropped: not items",
+        "line 6, operator: a + b",
+        "line 7, operator: a * 2",
+        "line 7, constant + 1: 2",
+    ]
+    mutated = [ast.unparse(ast.parse(script.mutant(SOURCE, i)[0])) for i in range(len(sites))]
+    original = ast.unparse(ast.parse(SOURCE))
+    expected = [("if a < 0:", "if False:"), ("a < 0", "a <= 0"), ("a < 0", "a < 1"),
+                ("not items and b", "not items or b"), ("not items and b", "items and b"),
+                ("a + b", "a - b"), ("a * 2", "a // 2"), ("a * 2", "a * 3")]
+    for text, (before, after) in zip(mutated, expected):
+        assert text == original.replace(before, after, 1), (before, after, text)
+    with pytest.raises(SystemExit, match="site 8 does not exist: the module has 8 sites"):
+        script.mutant(SOURCE, 8)
+
+
+@pytest.mark.timeout(240)
+def test_a_real_bug_is_killed_and_an_equivalent_change_survives(tmp_path: Path) -> None:
+    # handshake_targets' rank arithmetic (+ -> -) breaks the TP tests; _first_head's `tp >
+    # num_kv_heads` -> `>=` changes nothing (both formulas agree at tp == num_kv_heads)
+    script = _script()
+    source = (ROOT / "hkvsim/connector/tp.py").read_text()
+    labels = [script.describe(source, kind, node)
+              for kind, node in script.mutation_sites(ast.parse(source))]
+    bug = next(i for i, label in enumerate(labels) if label.endswith("operator: tp_rank * -r + i"))
+    same = next(i for i, label in enumerate(labels)
+                if label.endswith("comparison: tp > num_kv_heads"))
+    out = tmp_path / "mutants.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "hkvsim/connector/tp.py", "--sites", f"{bug},{same}",
+         "--tests", "tests/connector/test_tp.py", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = {r["site"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert results[bug]["killed"] and "tests/connector/test_tp.py" in results[bug]["by"]
+    assert not results[same]["killed"]
+    assert f"hkvsim/connector/tp.py: 1 of 2 killed\n    survived: site {same}" in done.stdout
+    # the checkout itself is never changed
+    assert (ROOT / "hkvsim/connector/tp.py").read_text() == source
+
+
+def test_bad_arguments_are_refused_with_what_is_allowed() -> None:
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+
+    done = run("hkvsim/no_such_module.py")
+    assert done.returncode == 2 and "not a Python file" in done.stderr
+    done = run("hkvsim/connector/tp.py", "hkvsim/oracle.py", "--sites", "1")
+    assert done.returncode == 2 and "give exactly one" in done.stderr
+    done = run("hkvsim/connector/tp.py", "--sites", "1,x")
+    assert done.returncode == 2 and "comma-separated integers" in done.stderr
+    done = run("hkvsim/connector/tp.py", "--sites", "9999")
+    assert done.returncode != 0 and "site 9999 does not exist" in done.stderr
+    # tests that do not pass unchanged judge nothing (here: a path that does not exist)
+    done = run("hkvsim/connector/tp.py", "--sites", "1", "--tests", "tests/no_such_tests")
+    assert done.returncode == 2 and "do not pass on the unchanged tree" in done.stderr
