@@ -719,3 +719,21 @@ def test_prefix_hits_need_decode_prefix_caching() -> None:
                               "prefix_caching = true")
     (ok,) = parse_scenarios(text + "[decode]\nprefix_caching = true\n")
     assert ok.decode.prefix_caching
+
+
+def test_expected_counts_of_zero_are_checked_not_ignored() -> None:
+    # 0 is a real expectation ("no request fails"), distinct from leaving the key out
+    counts = ("failed_requests", "lease_expiries", "recomputed", "aborted_requests")
+    text = MINIMAL + "\n[expect]\n" + "".join(f"{key} = 0\n" for key in counts)
+    (s,) = parse_scenarios(text)
+    assert [getattr(s.expect, key) for key in counts] == [0, 0, 0, 0]
+    from hkvsim.cluster import run_scenario
+    from hkvsim.results import expectation_problems
+
+    assert expectation_problems(run_scenario(s)) == []
+    failing = text + '\n[[faults]]\nkind = "fail-transfer"\nrequest = 1\n'
+    (s,) = parse_scenarios(failing.replace("[expect]\n", '[expect]\noutcome = "request-failure"\n'))
+    assert "1 failed request(s), expected 0" in expectation_problems(run_scenario(s))
+    for key in counts:
+        message = error_of(MINIMAL + f"\n[expect]\n{key} = -1\n")
+        assert f"expect.{key}: expected a value >= 0, got -1" in message, message
