@@ -184,3 +184,36 @@ def test_structured_hostile_registrations_are_dropped_or_well_typed(body: dict) 
     assert isinstance(body["decode_tp"], int) and not isinstance(body["decode_tp"], bool)
     assert result.decode_tp >= 1 and result.hit_blocks >= 0
     assert all((ids >= 0).all() for ids in result.blocks.values())
+
+
+PROBABLE_ABORTS = """
+[scenario]
+name = "aborts by chance"
+seed = 21
+[model]
+preset = "tiny-kimi-linear"
+[decode]
+tp = 2
+[workload]
+requests = 24
+prompt_tokens = 300
+max_inflight = 2
+[[faults]]
+kind = "abort-request"
+phase = "before-scheduling"
+probability = {p}
+"""
+
+
+def test_a_fault_hits_each_event_with_its_probability_reproducibly() -> None:
+    # probability 1: every request aborted; 0: none; 0.5: some of the 24, the same ones on
+    # every run of the seed (and nothing else fails, nothing leaks)
+    def aborted(p: float) -> list[str]:
+        result = _one(PROBABLE_ABORTS.format(p=p))
+        assert result.failed == 0 and result.corrupted == 0 and not any(result.leaks.values())
+        return [r.request_id for r in result.records if r.status == "aborted"]
+
+    assert len(aborted(1.0)) == 24
+    assert aborted(0.0) == []
+    half = aborted(0.5)
+    assert 4 <= len(half) <= 20 and aborted(0.5) == half

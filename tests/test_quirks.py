@@ -58,3 +58,19 @@ def test_quirk_is_caught(quirk: str) -> None:
 def test_every_quirk_file_names_a_quirk() -> None:
     names = {p.stem.removeprefix("xfail-") for p in QUIRK_DIR.glob("*.toml")}
     assert names == set(QUIRKS)
+
+
+def test_a_corrupted_request_counts_every_wrong_word_and_explains_eight() -> None:
+    # attention-only-transfer leaves all of decode's state unwritten: every state word of each
+    # request on each of decode's two ranks is wrong (the geometry's state bytes / 8 per rank),
+    # and the record keeps the first eight explanations of all its ranks together (each rank
+    # reports up to eight), not an unbounded list
+    scenario = _catching_scenario("attention-only-transfer")
+    scenario = scenario.model_copy(update={"decode": scenario.decode.model_copy(update={"tp": 2})})
+    buggy = run_scenario(_with_quirk(scenario, "attention-only-transfer"))
+    assert buggy.outcome == "corruption" and buggy.corrupted == len(buggy.records) == 2
+    state_words = 2 * scenario.model_spec().state_bytes_per_request(2) // 8
+    for record in buggy.records:
+        assert record.mismatched_words == state_words
+        assert len(record.mismatches) == 8
+        assert record.mismatches[0].startswith("decode0 rank 0, layer 0 (conv[0] state)")

@@ -51,12 +51,6 @@ class PathGroup:
         heapq.heappush(self.heap, (self.served + nbytes, fid, nbytes, token))
         self.n += 1
 
-    def time_to_first(self) -> float:
-        """Seconds until its first flow finishes at the current rate (inf if it has none)."""
-        if not self.heap or self.rate <= 0:
-            return math.inf
-        return max(self.heap[0][0] - self.served, 0.0) / self.rate
-
     def pop_done(self, done_rel: float, out: list[tuple[int, Any]]) -> None:
         """Remove the flows that are due (finish value within ``due_limit``) or have less than
         ``done_rel`` of their bytes left; append ``(fid, token)`` of each to ``out``."""

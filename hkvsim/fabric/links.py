@@ -698,7 +698,7 @@ class Fabric:
         self._timer_gen += 1
         if not self._nflows:
             return
-        first = math.inf  # min over the groups of PathGroup.time_to_first(), inlined
+        first = math.inf  # min over the groups of (first finish - served) / rate
         for g in self._active:
             heap, rate = g.heap, g.rate
             if heap and rate > 0:
