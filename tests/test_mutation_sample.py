@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import ast
-import importlib.machinery
-import importlib.util
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,11 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "mutation-sample"
 
 
-def _script():
-    loader = importlib.machinery.SourceFileLoader("mutation_sample", str(SCRIPT))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
-    loader.exec_module(module)
-    return module
+def _script() -> SimpleNamespace:
+    return SimpleNamespace(**runpy.run_path(str(SCRIPT), run_name="lib"))
 
 
 SOURCE = '''
