@@ -96,3 +96,19 @@ def test_bad_arguments_are_refused_with_what_is_allowed() -> None:
     # tests that do not pass unchanged judge nothing (here: a path that does not exist)
     done = run("hkvsim/connector/tp.py", "--sites", "1", "--tests", "tests/no_such_tests")
     assert done.returncode == 2 and "do not pass on the unchanged tree" in done.stderr
+
+
+def test_an_interpreter_without_the_test_extras_is_named_before_any_copy(tmp_path: Path) -> None:
+    # launched as ./scripts/mutation-sample, the shebang's python3 may lack pytest-xdist: the
+    # tests then run with the repository's .venv, and a python that cannot run them is named
+    script = _script()
+    assert script.missing_test_extras(sys.executable) is None
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'xdist'\" >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    why = script.missing_test_extras(str(fake))
+    assert why is not None and str(fake) in why and "No module named 'xdist'" in why
+    assert "pip install -e '.[test,report]'" in why
+    venv = ROOT / ".venv" / "bin" / "python"
+    assert script.test_python() == (str(venv) if venv.is_file() else sys.executable)

@@ -226,3 +226,11 @@ def _check_ssm_sizes(local: RankMetadata, remote: RankMetadata) -> None:
             "SSM", f"state sub-region count: local {len(local.ssm_subregion_sizes)}, remote "
             f"{len(remote.ssm_subregion_sizes)}"
         )
+    for i, (l_val, r_val) in enumerate(zip(local.ssm_subregion_sizes, remote.ssm_subregion_sizes)):
+        if r_val * remote.tp_size != l_val * local.tp_size:
+            raise HandshakeError(
+                "SSM", f"state sub-region {i}: local {l_val} bytes at TP {local.tp_size}, remote "
+                f"{r_val} at TP {remote.tp_size}; expected remote == local x "
+                f"{local.tp_size}/{remote.tp_size} (same totals, different split: the offsets "
+                f"read would not be the remote's)"
+            )

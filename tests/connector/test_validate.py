@@ -311,3 +311,23 @@ def test_ssm_geometry_check():
     assert _check(model, d, p) == 1
     _fails("SSM", model, d, replace(p, ssm_sizes=(40_000, 2_097_152)), 36_864, 40_000)
     _fails("SSM", model, d, replace(p, ssm_sizes=(73_728, 1_048_576)), 1_048_576)
+
+
+@pytest.mark.parametrize("model_name", ["kimi-linear-48b", "tiny-kimi-linear"])
+def test_ssm_subregions_must_split_like_the_local_side(model_name):
+    # same conv/recurrent totals, so only the sub-region checks can see it: a remote that splits
+    # its conv state in two instead of three would have its bytes read at the local offsets
+    model, d, p = _pair(model_name, d_tp=2, p_tp=1, num_blocks=1)
+    conv = p.ssm_subregion_sizes[:-1]
+    assert len(conv) == 3 and sum(conv) == p.ssm_sizes[0]
+    two = (conv[0] + conv[1], conv[2], p.ssm_subregion_sizes[-1])
+    text = _fails("SSM", model, d, replace(p, ssm_subregion_sizes=two))
+    assert "sub-region count: local 4, remote 3" in text
+    # three conv sub-regions of other sizes, same total: sub-region 0 is named
+    skewed = (conv[0] + 512, conv[1] - 512, conv[2], p.ssm_subregion_sizes[-1])
+    text = _fails("SSM", model, d, replace(p, ssm_subregion_sizes=skewed), conv[0] + 512)
+    assert "state sub-region 0" in text and f"local {d.ssm_subregion_sizes[0]}" in text
+    # every TP pair of the matrix splits consistently
+    for d_tp, p_tp in [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (8, 4)]:
+        model, d, p = _pair(model_name, d_tp=d_tp, p_tp=p_tp, num_blocks=1)
+        assert _check(model, d, p) == 1
