@@ -132,6 +132,29 @@ def test_memory_the_peer_adds_is_accepted_once_announced(pair: Pair) -> None:
     a.release_xfer_handle(h)
 
 
+def test_a_released_handle_is_refused_by_name(pair: Pair) -> None:
+    # NIXL's own API segfaults on transfer() of a released handle and says "DONE" when it is
+    # polled (docs/semantics.md §11.4 hazard 1): both transports refuse it, and a second release
+    # is a no-op, as in NIXL
+    a, ma, mb = pair.a, pair.ma, pair.mb
+    local = a.prep_xfer_dlist("", _descs(ma.base_addr, [0]))
+    remote = a.prep_xfer_dlist(pair.name, _descs(mb.base_addr, [0]))
+    held = a.resources()["transfer_handles"]
+    h = a.make_prepped_xfer("WRITE", local, [0], remote, [0])
+    assert a.resources()["transfer_handles"] == held + 1
+    a.transfer(h)
+    assert pair.wait(h) == DONE
+    a.release_xfer_handle(h)
+    assert a.resources()["transfer_handles"] == held
+    ma.array[:KIB] = 3
+    for call in (a.transfer, a.check_xfer_state):
+        with pytest.raises(TransportError, match=f"transfer handle {h} was released"):
+            call(h)
+    a.release_xfer_handle(h)  # twice: nothing happens
+    assert a.resources()["transfer_handles"] == held
+    assert not (mb.array[:KIB] == 3).any()  # the refused re-post moved nothing
+
+
 def test_a_wrong_memory_type_is_a_transport_error(pair: Pair) -> None:
     a, ma = pair.a, pair.ma
     for bad in ("dram", "GPU", "", None, 3):
