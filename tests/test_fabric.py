@@ -666,6 +666,8 @@ def test_tp_larger_than_node_is_an_error(placement: str) -> None:
         ([("a", "encoder", 1)], "role 'encoder'"),
         ([("a", "prefill", 0)], "tp = 0"),
         ([("a", "prefill", True)], "tp = True"),
+        ([("a", "prefill")], r"engine entry \('a', 'prefill'\): expected \(engine_id, role, tp\)"),
+        ([["a", "prefill", 1]], r"engine entry \['a', 'prefill', 1\]: expected"),
     ],
 )
 def test_placement_rejects_bad_engines(engines: list[Any], match: str) -> None:

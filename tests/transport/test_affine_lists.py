@@ -257,6 +257,39 @@ def test_paired_runs_agree_with_rows(seed: int, analysis: str) -> None:
     assert (same.nbytes, same.coalesced()) == _pair_reference(lref, lref)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_meeting_across_adjacent_segments_coalesce_like_rows(seed: int, analysis: str
+                                                                  ) -> None:
+    """Segments that follow each other in memory (regions registered back to back, as the
+    hybrid models' shared cache tensors are): a run cut at a segment boundary continues in
+    the next segment's first descriptor, and NIXL joins the two; ids also jump inside a
+    segment and between sides, where nothing joins."""
+    from hkvsim.transport.base import check_pairs
+
+    rng = np.random.default_rng(200 + seed)
+    lo, hi = 1 << 30, 1 << 32
+    segs = [{"count": 6, "base": lo, "stride": 4 * KIB, "length": 4 * KIB},
+            {"count": 4, "base": lo + 24 * KIB, "stride": 4 * KIB, "length": 4 * KIB},
+            {"count": 3, "base": lo + 40 * KIB, "stride": 2 * KIB, "length": 2 * KIB}]
+    la, ra = _affine(segs), _affine([dict(s, base=s["base"] - lo + hi) for s in segs])
+    lref = _reference_rows(segs, 0)
+    rref = _reference_rows([dict(s, base=s["base"] - lo + hi) for s in segs], 0)
+    whole = np.arange(len(la))
+    pairs = check_pairs(la, whole, ra, whole, what="t")
+    assert pairs.coalesced() == _pair_reference(lref, rref)[1] == 1
+    # random runs of consecutive ids (crossing the boundaries or not), the remote side shifted
+    # by one block in some of them
+    starts = rng.integers(0, 12, 5)
+    li = np.concatenate([np.arange(a, min(a + int(rng.integers(2, 8)), 13)) for a in starts])
+    ri = li.copy()
+    if seed % 2:
+        ri[: li.size // 2] = np.clip(ri[: li.size // 2] + 1, 0, 9)  # 4 KiB ids only
+        keep = lref[li, 1] == rref[ri, 1]
+        li, ri = li[keep], ri[keep]
+    pairs = check_pairs(la, li, ra, ri, what="t")
+    assert (pairs.nbytes, pairs.coalesced()) == _pair_reference(lref[li], rref[ri])
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("mode", ["contiguous", "strided"])
 def test_collapsed_runs_merge_like_rows(seed: int, mode: str, analysis: str) -> None:
