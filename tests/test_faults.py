@@ -217,3 +217,44 @@ def test_a_fault_hits_each_event_with_its_probability_reproducibly() -> None:
     assert aborted(0.0) == []
     half = aborted(0.5)
     assert 4 <= len(half) <= 20 and aborted(0.5) == half
+
+
+def test_a_notification_to_a_dead_never_read_rank_is_counted_and_its_blocks_freed_by_lease(
+) -> None:
+    # pure MLA, P TP2 -> D TP1: decode reads prefill rank 0 and sends rank 1 a notification-only
+    # message per request. Rank 1 dies at once: each of those messages fails (counted, not
+    # raised), the reads still land byte-exact, and rank 1's blocks are freed by its lease
+    text = """
+[scenario]
+name = "notification-only message to a dead prefill rank"
+seed = 3
+[model]
+preset = "tiny-deepseek"
+[prefill]
+tp = 2
+[decode]
+tp = 1
+[connector]
+transfer_timeout_seconds = 1.0
+lease_seconds = 5.0
+[workload]
+requests = 4
+prompt_tokens = 600
+max_inflight = 1
+[[faults]]
+kind = "disconnect-peer"
+engine = "prefill0"
+rank = 1
+at_seconds = 0.0001
+"""
+    result = _one(text)
+    assert [r.status for r in result.records] == ["ok"] * 4
+    assert all(r.mismatched_words == 0 for r in result.records)
+    assert result.counters["notification_failures"] == 4
+    assert result.counters["lease_expiries"] == 4
+    assert result.leaks["prefill_blocks"] == 0
+    assert result_json(result)["counters"]["notification_failures"] == 4
+    # alive, the same run sends every notification
+    result = _one(text.replace("at_seconds = 0.0001", "at_seconds = 1000.0"))
+    assert result.counters["notification_failures"] == 0
+    assert result.counters["lease_expiries"] == 0

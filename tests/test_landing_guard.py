@@ -36,6 +36,23 @@ def test_held_blocks_pass_and_free_ones_are_flagged_on_every_call() -> None:
     assert "the free pool" in driver.coord.misplaced_write_reports[-1]
 
 
+def test_a_report_counts_the_blocks_hit_and_names_their_holders() -> None:
+    # block 0 counts like any other; bytes outside every block are not a block, and the
+    # request's own block is not counted
+    driver, agent, base, engine = _driver()
+    layout = engine.layout
+    page = layout.unified_page_bytes
+    engine.pool.owner[[0, 1]] = -1
+    engine.pool.owner[2] = 7
+    past = base + layout.num_tensors * layout.tensor_stride
+    addrs = np.array([base, base + page, base + 2 * page, past], dtype=np.int64)
+    lengths = np.array([page, page, page, 64], dtype=np.int64)
+    assert driver._on_landing(agent, addrs, lengths, 7, False) is True
+    report = driver.coord.misplaced_write_reports[-1]
+    assert report.startswith(f"a transfer for request 7 was posted into 2 block(s) of {agent} ")
+    assert report.endswith("(held by the free pool, bytes outside every block)")
+
+
 def test_bytes_outside_every_block_are_flagged_on_every_call() -> None:
     driver, agent, base, engine = _driver()
     layout = engine.layout

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hkvsim.cluster import run_scenario
-from hkvsim.connector.quirks import QUIRKS
+from hkvsim.connector.quirks import QUIRKS, check_quirks, quirk_names
 from hkvsim.pd.records import RankSetupError
 from hkvsim.results import expectation_problems, result_json
 from hkvsim.scenario import Scenario, load_scenarios
@@ -74,3 +74,15 @@ def test_a_corrupted_request_counts_every_wrong_word_and_explains_eight() -> Non
         assert record.mismatched_words == state_words
         assert len(record.mismatches) == 8
         assert record.mismatches[0].startswith("decode0 rank 0, layer 0 (conv[0] state)")
+
+
+def test_unknown_quirk_names_are_refused_with_the_allowed_ones() -> None:
+    # the scenario schema refuses them first; a rank process builds its settings from the
+    # scenario it is sent, through this check alone
+    assert check_quirks(["phantom-token"]) == frozenset({"phantom-token"})
+    assert check_quirks([]) == frozenset()
+    with pytest.raises(ValueError) as exc:
+        check_quirks(["phantom-token", "no-such-quirk", "other"])
+    assert str(exc.value) == (f"unknown quirk(s) 'no-such-quirk', 'other'; allowed: "
+                              f"{', '.join(quirk_names())}")
+    assert quirk_names() == sorted(QUIRKS) and "phantom-token" in quirk_names()
