@@ -135,3 +135,24 @@ def test_hybrid_different_ppl_with_prefix_caching_is_refused_even_if_tokens_matc
     # ... and accepted (front-trim, byte-exact) with prefix caching off and no hits
     result = run(text.replace("prefix_caching = true", "").replace("[0, 40]", "0"))
     _assert_clean_ok(result)
+
+
+@pytest.mark.parametrize("model,p_tp,d_tp", [("tiny-llama", 1, 2), ("tiny-kimi-linear", 2, 1)])
+def test_a_connector_that_does_not_zero_the_tail_is_caught(monkeypatch, model, p_tp, d_tp):
+    # the untransferred sub-blocks of decode's last kernel block hold an earlier tenant's bytes
+    # (the reference does not zero at allocation): a connector that skips the zeroing (#49612)
+    # leaves them there, and the oracle must say so, on the requests whose tail is not empty
+    from hkvsim.connector.worker import ConnectorWorker
+
+    monkeypatch.setattr(ConnectorWorker, "zero_sub_blocks", lambda self, ids, bsr: None)
+    from hkvsim.results import result_json
+
+    result = run(_text(model, p_tp, d_tp, 64))
+    assert result.outcome == "corruption"
+    # 100, 333, 17, 1000 tokens: every request's last 64-token decode block ends past the last
+    # 16-token prefill block sent, so each has a tail, and only the tail is wrong
+    assert all(r.mismatched_words > 0 for r in result.records)
+    found = [m for r in result.records for m in r.mismatches]
+    assert found and all("untransferred tail" in m and "stale bytes" in m for m in found), found
+    assert result_json(result)["requests"]["corrupted"] == 4
+    assert result_json(result)["requests"]["byte_exact"] == 0
