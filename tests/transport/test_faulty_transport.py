@@ -150,3 +150,18 @@ def test_the_rank_sends_withheld_notifications_after_reporting_its_poll():
     with pytest.raises(_Stop):
         proc._loop()
     assert order == ["poll", "report ['what the poll found']", "send withheld"] * 2
+
+
+def test_a_dropped_notification_never_reaches_the_transport_and_others_do():
+    # drop-notification on the real backend: the plan answers inf for the message it drops
+    class _Dropping(_Plan):
+        def on_message(self, *, now: float, src: str, dst: str, message: bytes):
+            assert (now, src) == (0.0, "prefill0.0")
+            return float("inf") if message.startswith(b"req-1:") else None
+
+    inner = _Inner()
+    t = FaultInjectingTransport(inner, _Dropping(None), clock=lambda: 0.0)
+    t.send_notif("decode0.0", b"req-1:2")
+    t.send_notif("decode0.1", b"req-2:2")
+    assert [c for c in inner.calls if c[0] == "send_notif"] == [
+        ("send_notif", "decode0.1", b"req-2:2")]
