@@ -104,8 +104,13 @@ def test_bad_arguments_are_refused_with_what_is_allowed() -> None:
     assert done.returncode == 2 and "comma-separated integers" in done.stderr
     done = run("hkvsim/connector/tp.py", "--sites", "9999")
     assert done.returncode != 0 and "site 9999 does not exist" in done.stderr
-    # tests that do not pass unchanged judge nothing (here: a path that does not exist)
-    done = run("hkvsim/connector/tp.py", "--sites", "1", "--tests", "tests/no_such_tests")
+    # a test path that does not exist is named before anything runs
+    done = run("hkvsim/connector/tp.py", "--sites", "1", "--tests", "tests/connector",
+               "tests/no_such_tests")
+    assert done.returncode == 2 and "--tests: no such test path tests/no_such_tests" in done.stderr
+    # tests that do not pass unchanged judge nothing (here: a test id that names no test)
+    done = run("hkvsim/connector/tp.py", "--sites", "1", "--tests",
+               "tests/connector/test_tp.py::no_such_test")
     assert done.returncode == 2 and "do not pass on the unchanged tree" in done.stderr
 
 
