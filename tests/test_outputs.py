@@ -54,6 +54,20 @@ def test_times_say_which_clock(tmp_path, capsys) -> None:
     assert "s (simulated)" in capsys.readouterr().out
 
 
+def test_time_to_terminal_is_measured_from_each_arrival(tmp_path) -> None:
+    # requests arriving ~0.1 s apart: no arrival-to-end time can exceed the run's end
+    from hkvsim.results import result_json
+
+    (s,) = parse_scenarios(TINY.format(name="t").replace(
+        "prompt_tokens = 700", 'prompt_tokens = 700\narrival = "poisson"\nrate = 10.0'))
+    result = run_scenario(s)
+    time = result_json(result)["time"]
+    spans = [r.times["done"] - r.arrival for r in result.records]
+    assert max(r.arrival for r in result.records) > 0.01
+    assert time["max_seconds_to_terminal"] == max(spans)
+    assert 0 < time["max_seconds_to_terminal"] <= time["elapsed_seconds"]
+
+
 def test_run_json_is_flat_without_sweep_and_an_envelope_with_one(tmp_path, capsys) -> None:
     plain = _file(tmp_path, TINY.format(name="t"))
     code, data = _run_json(capsys, "run", str(plain))

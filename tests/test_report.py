@@ -173,6 +173,21 @@ def test_merge_comparison_and_measured_hook(tmp_path: Path,
     assert "| not measured |" not in text and "contiguous: " in text
 
 
+def test_a_timing_only_merge_family_claims_no_byte_exact_run(tmp_path: Path) -> None:
+    # nothing was checked: no variant may count as byte-exact, and the table says timing-only
+    family = tmp_path / "families"
+    family.mkdir()
+    (family / "tiny.toml").write_text(MERGE.replace("requests = 2", "requests = 2\nverify = false")
+                                     + "[expect]\nbyte_exact = false\n")
+    out = tmp_path / "merge"
+    assert main(["report", str(family), "--out", str(out),
+                 "--calibration", str(tmp_path / "none")]) == 0
+    (fam,) = json.loads((out / "report.json").read_text())["descriptor_merging"]
+    assert all(m["byte_exact_variants"] == m["verified_variants"] == 0
+               for m in fam["modes"].values())
+    assert "| 0/0 verified runs exact (3 timing-only) |" in (out / "report.md").read_text()
+
+
 def test_calibration_points_are_plotted_for_the_profile_they_measured(
         sweep_report: tuple[Path, Path], tmp_path: Path) -> None:
     scenario, _ = sweep_report

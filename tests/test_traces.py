@@ -245,6 +245,14 @@ def test_requests_caps_the_replay(tmp_path: Path) -> None:
     assert s.arrival_times(2, np.random.default_rng(0)).tolist() == [0.0, 0.02]
     with pytest.raises(ScenarioError, match=r"workload.requests: the trace has only 4 "):
         load_scenarios(_scenario_file(tmp_path, extra="requests = 5"))
+    # the cap's bounds: one request, and all of them
+    (one,) = load_scenarios(_scenario_file(tmp_path, extra="requests = 1"))
+    assert one.request_lengths()[0].tolist() == [1100]
+    trace = _load(Path(one.workload.trace))
+    assert len(trace.head(1)) == 1 and len(trace.head(4)) == 4
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=f"n must be from 1 to 4, got {bad}"):
+            trace.head(bad)
 
 
 def test_requests_is_required_without_a_trace(tmp_path: Path) -> None:
