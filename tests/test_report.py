@@ -188,6 +188,31 @@ def test_a_timing_only_merge_family_claims_no_byte_exact_run(tmp_path: Path) -> 
     assert "| 0/0 verified runs exact (3 timing-only) |" in (out / "report.md").read_text()
 
 
+def test_an_unknown_coalesced_count_is_never_summed_as_zero(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    # a backend that did not report NIXL's coalesced count for one transfer: that mode's
+    # total is unknown (None), not the sum of the others
+    from hkvsim.report.compare import merge_comparison
+    from hkvsim.report.data import variants_from_json
+
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(MERGE)
+    assert main(["sweep", str(scenario), "--json", "--requests"]) == 0
+    saved = json.loads(capsys.readouterr().out)
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(saved))
+    (fam,) = merge_comparison(variants_from_json(path))
+    assert all(isinstance(m["coalesced"], int) and m["coalesced"] > 0
+               for m in fam["modes"].values())
+    entry = next(e for e in saved["scenarios"] if "=contiguous" in e["scenario"])
+    del entry["request_details"][1]["telemetry"][0]["coalesced"]
+    path.write_text(json.dumps(saved))
+    (fam,) = merge_comparison(variants_from_json(path))
+    assert fam["modes"]["contiguous"]["coalesced"] is None
+    assert isinstance(fam["modes"]["off"]["coalesced"], int)
+    assert fam["rows"][0]["contiguous"]["coalesced"] is None
+
+
 def test_calibration_points_are_plotted_for_the_profile_they_measured(
         sweep_report: tuple[Path, Path], tmp_path: Path) -> None:
     scenario, _ = sweep_report
