@@ -204,6 +204,8 @@ def test_an_unknown_coalesced_count_is_never_summed_as_zero(tmp_path: Path,
     (fam,) = merge_comparison(variants_from_json(path))
     assert all(isinstance(m["coalesced"], int) and m["coalesced"] > 0
                for m in fam["modes"].values())
+    # a family's variants differ only in the merge mode: the row is named by the scenario
+    assert [row["label"] for row in fam["rows"]] == ["merge test"]
     entry = next(e for e in saved["scenarios"] if "=contiguous" in e["scenario"])
     del entry["request_details"][1]["telemetry"][0]["coalesced"]
     path.write_text(json.dumps(saved))
@@ -211,6 +213,36 @@ def test_an_unknown_coalesced_count_is_never_summed_as_zero(tmp_path: Path,
     assert fam["modes"]["contiguous"]["coalesced"] is None
     assert isinstance(fam["modes"]["off"]["coalesced"], int)
     assert fam["rows"][0]["contiguous"]["coalesced"] is None
+
+
+def test_a_saved_simulated_run_is_not_a_measurement(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    # a calibration directory holding a saved run of the same scenarios: points only when that
+    # run came from a real backend, one per request, each against the simulated run's time
+    from hkvsim.report.compare import calibration_points
+    from hkvsim.report.data import variants_from_json
+
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(MERGE)
+    assert main(["sweep", str(scenario), "--json", "--requests"]) == 0
+    saved = json.loads(capsys.readouterr().out)
+    sims = variants_from_json(_saved(tmp_path / "sim.json", saved))
+    cal = tmp_path / "calibration"
+    cal.mkdir()
+    _saved(cal / "run.json", saved)
+    assert calibration_points(sims, cal) == []
+    for entry in saved["scenarios"]:
+        entry["backend"] = "nixl"
+    _saved(cal / "run.json", saved)
+    points = calibration_points(sims, cal)
+    assert len(points) == 3 * 2  # three merge modes x two requests
+    assert all(p["transport"] == "nixl" and p["simulated_seconds"] == p["measured_seconds"] > 0
+               for p in points)
+
+
+def _saved(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
 
 
 def test_calibration_points_are_plotted_for_the_profile_they_measured(
