@@ -114,3 +114,13 @@ def test_shards_partition_the_variants() -> None:
     assert split([0, 1, 2, 3, 4], 2) == [[0, 2, 4], [1, 3]]
     with pytest.raises(SelectionError):
         Shard.parse("-1/2")
+
+
+def test_a_jobs_child_runs_only_variant_indices_that_exist() -> None:
+    from hkvsim.shards import parse_variant_list
+
+    assert parse_variant_list("3,0, 3,1", 4) == [0, 1, 3]
+    for bad in ("", "4", "-1,2", "1,x", ","):
+        with pytest.raises(SelectionError, match=f"--variants {bad!r}: expected comma-separated "
+                                                 f"variant indices from 0 to 3"):
+            parse_variant_list(bad, 4)
