@@ -124,3 +124,14 @@ def test_a_jobs_child_runs_only_variant_indices_that_exist() -> None:
         with pytest.raises(SelectionError, match=f"--variants {bad!r}: expected comma-separated "
                                                  f"variant indices from 0 to 3"):
             parse_variant_list(bad, 4)
+
+
+def test_each_finished_child_advances_the_progress_once(sweep_file: Path) -> None:
+    from hkvsim.shards import run_children
+
+    ticks: list[int] = []
+    results = run_children(str(sweep_file), [0, 3, 5], jobs=2, flags=["--timing-only"],
+                           on_chunk=lambda: ticks.append(1))
+    assert [r["sweep_index"] for r in results] == [0, 3, 5]  # in variant order
+    assert len(ticks) == 2  # two children: [0, 5] and [3]
+    assert len(run_children(str(sweep_file), [1], jobs=2, flags=["--timing-only"])) == 1
