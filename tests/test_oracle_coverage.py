@@ -247,3 +247,20 @@ def test_blocks_touched_set_of_runs_over_two_blocks() -> None:
     for off, length in ((4500, 1000), (3 * 8192 + 10, 100), (-100, 50)):
         got = blocks_touched_set(padded, np.array([1000, off]), np.array([1000, length]))
         assert sorted(set(got.tolist())) == [OUTSIDE_BLOCKS, 1]
+
+
+@pytest.mark.parametrize("limit", [1, 8])
+def test_explanations_stop_at_the_limit_when_every_state_word_is_wrong(limit: int) -> None:
+    # a hybrid whose state never arrived: every state sub-region of every layer is wrong, and
+    # all are counted, but at most `limit` explanations come back (the attention is right)
+    layout, oracle, memory, blocks, hybrid = _setup("tiny-kimi-linear", 1)
+    assert hybrid
+    state_groups = [g.group_id for g in layout.groups if g.kind != "attention"]
+    fresh = np.zeros_like(memory)
+    attention_only = {g: ids for g, ids in blocks.items() if g not in state_groups}
+    oracle.write(fresh, layout, 0, 9, blocks=attention_only, tokens=(0, TOKENS),
+                 state_step=None)
+    bad, found = oracle.verify(fresh, layout, 0, 9, engine="d", blocks=blocks,
+                               tokens=(0, TOKENS), state_step=TOKENS, limit=limit)
+    assert bad * 8 == layout.model.state_bytes_per_request(1)
+    assert len(found) == limit and all("state" in m.kind for m in found)
