@@ -58,12 +58,13 @@ def test_each_kind_of_mutation_changes_what_it_names() -> None:
 def test_type_annotations_are_not_mutation_sites() -> None:
     # `int | None` made `int & None` changes nothing at run time: such a site could only survive
     script = _script()
-    source = ("def g(a: int | None, *rest: 'x' | None, **kw: dict[str, int | None]) -> int | None:\n"
+    source = ("def g(a: int | None, *rest: 'x' | None, **kw: dict[str, int | None]\n"
+              "      ) -> int | None:\n"
               "    total: int | float = a + 1\n"
               "    return total\n")
     labels = [script.describe(source, kind, node)
               for kind, node in script.mutation_sites(ast.parse(source))]
-    assert labels == ["line 2, operator: a + 1", "line 2, constant + 1: 1"]
+    assert labels == ["line 3, operator: a + 1", "line 3, constant + 1: 1"]
 
 
 @pytest.mark.timeout(240)

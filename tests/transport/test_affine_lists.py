@@ -318,3 +318,22 @@ def test_collapsed_runs_merge_like_rows(seed: int, mode: str, analysis: str) -> 
     cl, cr, regions = collapsed_pairs(pairs, lbases, rbases)
     fast = merge_descriptors(cl, cr, mode, regions)
     assert (fast.local == full.local).all() and (fast.remote == full.remote).all()
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_an_id_out_of_range_is_named_by_its_index_and_value(plain: bool) -> None:
+    from hkvsim.transport.base import check_pairs
+
+    segs = [{"count": 6, "base": 1 << 30, "stride": 4 * KIB, "length": 4 * KIB}]
+    local = _affine(segs) if not plain else _reference_rows(segs, 0)
+    remote = _affine(segs)
+    ok = np.array([0, 1, 2])
+    cases = [("local", [0, 6, 7], ok, 1, 6), ("remote", ok, [-1, 2, 9], 0, -1),
+             ("remote", ok, [3, 4, 6], 2, 6)]
+    for side, li, ri, at, value in cases:
+        with pytest.raises(TransportError) as exc:
+            check_pairs(local, np.array(li), remote, np.array(ri), what="t")
+        text = str(exc.value)
+        assert text.startswith(
+            f"t: {side} descriptor id out of range at index {at} (id {value}); ids span "), text
+        assert text.endswith(f"the {side} list has 6 descriptors")
