@@ -270,6 +270,15 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["report", str(tmp_path / "missing.toml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hkvsim: error:") and err.count("\n") == 1
+    # JSON that is not a saved run: named, whatever its shape
+    for name, data in (("other.json", {"points": 3}), ("list.json", [{"outcome": "ok"}]),
+                       ("envelope.json", {"scenarios": [1, 2]})):
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        assert main(["report", str(path), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err == f"hkvsim: error: {path}: not a saved `hkvsim run --json` result\n", err
+    assert not (tmp_path / "out").exists()
 
 
 def test_matplotlib_is_imported_only_by_the_report_plots() -> None:
