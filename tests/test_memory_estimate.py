@@ -10,7 +10,7 @@ from hkvsim import memory_estimate
 from hkvsim.cli import EXIT_INPUT, main
 from hkvsim.memory_estimate import MemoryGuardError, check_fits, estimate_memory
 from hkvsim.pd.deployment import build_deployment
-from hkvsim.scenario import load_scenarios
+from hkvsim.scenario import load_scenarios, parse_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI = ROOT / "scenarios" / "kimi-linear" / "pull-2p-tp2-to-d-tp4.toml"
@@ -43,6 +43,43 @@ def test_more_requests_touch_more_pages_until_the_pool_is_full() -> None:
     cap = sum(len(es) * es[0].layout.num_logical_blocks * es[0].layout.num_tensors
               * es[0].layout.unified_page_bytes * es[0].layout.tp for es in dep.engines.values())
     assert one < full == cap
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 4), (4, 1), (2, 2)])
+def test_bookkeeping_parts_do_not_depend_on_num_blocks_and_records_follow_requests(
+        mode: str, p_tp: int, d_tp: int) -> None:
+    # prepared descriptor lists are affine descriptions (independent of num_blocks), one
+    # record per request; every part is positive whichever side initiates and has more ranks
+    def estimate(num_blocks: int, requests: int):
+        (s,) = parse_scenarios(f"""
+[scenario]
+name = "estimate"
+[model]
+preset = "tiny-kimi-linear"
+[prefill]
+tp = {p_tp}
+num_blocks = {num_blocks}
+[decode]
+tp = {d_tp}
+num_blocks = {num_blocks}
+[connector]
+mode = "{mode}"
+[workload]
+requests = {requests}
+prompt_tokens = 300
+""")
+        return estimate_memory(build_deployment(s))
+
+    small, large, twice = estimate(64, 10), estimate(4096, 10), estimate(64, 20)
+    assert small.descriptor_lists == large.descriptor_lists > 0
+    assert twice.records == 2 * small.records > 0
+    assert all(v > 0 for v in small.as_dict().values()), small.as_dict()
+    # a prefill rank's state comes in sub-regions: a hybrid's lists are larger than the
+    # same engines' lists would be without its state regions
+    layout = build_deployment(load_scenarios(KIMI)[0]).engines["decode"][0].layout
+    assert memory_estimate._list_bytes(layout) > (
+        memory_estimate.LIST_BYTES + len(layout.regions) * memory_estimate.SEGMENT_BYTES)
 
 
 def test_guard_refuses_a_verified_run_that_does_not_fit() -> None:
