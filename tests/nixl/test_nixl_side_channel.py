@@ -99,6 +99,22 @@ def test_channel_over_loopback() -> None:
     client.close()
     with pytest.raises(ChannelClosed):
         peer.recv(5.0)
+    with pytest.raises(ChannelClosed):  # and on every later call
+        peer.poll(0.0)
+    # messages sent before the close are delivered first; a channel closed on this side says
+    # so, not an OSError of its socket
+    client = Channel.connect("127.0.0.1", server.getsockname()[1], timeout=5)
+    conn, _ = server.accept()
+    peer = Channel(conn)
+    client.send({"op": "a", "seq": 1})
+    client.send({"op": "b", "seq": 2})
+    client.close()
+    assert [peer.recv(5.0)["seq"], peer.recv(5.0)["seq"]] == [1, 2]
+    with pytest.raises(ChannelClosed):
+        peer.recv(5.0)
+    peer.close()
+    with pytest.raises(ChannelClosed, match="side channel closed"):
+        peer.poll(0.0)
     server.close()
 
 
