@@ -287,3 +287,41 @@ def test_notify_only_handshake_failure_fails_the_push_request() -> None:
     h.pump()
     rec = h.coord.records[0]
     assert rec.status == "failed" and rec.failure_class == "handshake_failed"
+
+
+@pytest.mark.parametrize("max_inflight", [1, 2, 3])
+def test_no_more_requests_are_served_at_once_than_max_inflight(max_inflight: int) -> None:
+    # Poisson arrivals: some find a free slot (released with nobody waiting), some queue; at
+    # no instant may more requests than max_inflight be between their start and their end
+    from hkvsim.cluster import run_scenario
+
+    (s,) = parse_scenarios(f"""
+[scenario]
+name = "slots"
+seed = 11
+[model]
+preset = "tiny-llama"
+[prefill]
+tp = 1
+[decode]
+tp = 2
+[workload]
+requests = 40
+prompt_tokens = {{ min = 100, max = 3000 }}
+arrival = "poisson"
+rate = 20.0
+max_inflight = {max_inflight}
+""")
+    result = run_scenario(s)
+    assert [r.status for r in result.records] == ["ok"] * 40
+    events = sorted([(r.times["start"], 1) for r in result.records]
+                    + [(r.times["done"], -1) for r in result.records])  # ends sort first
+    running, peak = 0, 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    assert peak == max_inflight
+    # some request found its slot free without waiting, after another had ended
+    assert any(r.times["start"] == r.arrival and r.arrival > min(q.times["done"]
+                                                                   for q in result.records)
+               for r in result.records)
