@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import re
 
@@ -157,6 +159,15 @@ def test_any_registration_order_gives_identical_regions(case) -> None:
     (lambda: build_layout(preset("llama-3.1-8b"), tp=1, block_size=16, num_blocks=2,
                           registration_order="random"), "unknown registration_order"),
     (lambda: preset("llama-70b"), "unknown model preset 'llama-70b'; allowed:"),
+    # zero sizes in a model's own geometry (a hand-written or HF config), each by name
+    (lambda: dataclasses.replace(preset("tiny-deepseek").attention, kv_lora_rank=0),
+     "kv_lora_rank must be a positive integer, got 0"),
+    (lambda: dataclasses.replace(preset("tiny-llama").attention, head_dim=0),
+     "head_dim must be a positive integer, got 0"),
+    (lambda: dataclasses.replace(preset("tiny-llama"), num_layers=0),
+     "num_layers must be a positive integer, got 0"),
+    (lambda: dataclasses.replace(preset("tiny-kimi-linear").state, recurrent_heads=0),
+     "recurrent_heads must be a positive integer, got 0"),
 ])
 def test_invalid_geometry_is_one_clear_error(call, message: str) -> None:
     with pytest.raises(GeometryError, match=message):
