@@ -128,6 +128,17 @@ def test_the_smallest_and_largest_legal_values_are_accepted():
                              expected_hash=HASH)
 
 
+def test_state_sub_region_count_is_bounded_like_the_regions():
+    # 1,024 sub-regions at most, as for regions; one more is refused (by the decoder's own
+    # list cap first: the field's check behind it is a second line)
+    at_cap = dict(INNER, ssm_subregion_sizes=[1] * 1024)
+    assert len(decode_handshake(_outer(_pack_inner(at_cap)), expected_hash=HASH
+                                ).ssm_subregion_sizes) == 1024
+    over = dict(INNER, ssm_subregion_sizes=[1] * 1025)
+    with pytest.raises(MetadataError, match="V8: .*1025"):
+        decode_handshake(_outer(_pack_inner(over)), expected_hash=HASH)
+
+
 def test_missing_and_unknown_keys_rejected():
     inner = dict(INNER)
     del inner["ssm_sizes"]
