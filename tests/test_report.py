@@ -195,12 +195,8 @@ def test_an_unknown_coalesced_count_is_never_summed_as_zero(tmp_path: Path,
     from hkvsim.report.compare import merge_comparison
     from hkvsim.report.data import variants_from_json
 
-    scenario = tmp_path / "tiny.toml"
-    scenario.write_text(MERGE)
-    assert main(["sweep", str(scenario), "--json", "--requests"]) == 0
-    saved = json.loads(capsys.readouterr().out)
-    path = tmp_path / "saved.json"
-    path.write_text(json.dumps(saved))
+    saved = _merge_sweep_json(tmp_path, capsys)
+    path = _saved(tmp_path / "saved.json", saved)
     (fam,) = merge_comparison(variants_from_json(path))
     assert all(isinstance(m["coalesced"], int) and m["coalesced"] > 0
                for m in fam["modes"].values())
@@ -208,8 +204,7 @@ def test_an_unknown_coalesced_count_is_never_summed_as_zero(tmp_path: Path,
     assert [row["label"] for row in fam["rows"]] == ["merge test"]
     entry = next(e for e in saved["scenarios"] if "=contiguous" in e["scenario"])
     del entry["request_details"][1]["telemetry"][0]["coalesced"]
-    path.write_text(json.dumps(saved))
-    (fam,) = merge_comparison(variants_from_json(path))
+    (fam,) = merge_comparison(variants_from_json(_saved(path, saved)))
     assert fam["modes"]["contiguous"]["coalesced"] is None
     assert isinstance(fam["modes"]["off"]["coalesced"], int)
     assert fam["rows"][0]["contiguous"]["coalesced"] is None
@@ -222,10 +217,7 @@ def test_a_saved_simulated_run_is_not_a_measurement(tmp_path: Path,
     from hkvsim.report.compare import calibration_points
     from hkvsim.report.data import variants_from_json
 
-    scenario = tmp_path / "tiny.toml"
-    scenario.write_text(MERGE)
-    assert main(["sweep", str(scenario), "--json", "--requests"]) == 0
-    saved = json.loads(capsys.readouterr().out)
+    saved = _merge_sweep_json(tmp_path, capsys)
     sims = variants_from_json(_saved(tmp_path / "sim.json", saved))
     cal = tmp_path / "calibration"
     cal.mkdir()
@@ -238,6 +230,14 @@ def test_a_saved_simulated_run_is_not_a_measurement(tmp_path: Path,
     assert len(points) == 3 * 2  # three merge modes x two requests
     assert all(p["transport"] == "nixl" and p["simulated_seconds"] == p["measured_seconds"] > 0
                for p in points)
+
+
+def _merge_sweep_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> dict:
+    """`hkvsim sweep --json --requests` of the MERGE family, parsed."""
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(MERGE)
+    assert main(["sweep", str(scenario), "--json", "--requests"]) == 0
+    return json.loads(capsys.readouterr().out)
 
 
 def _saved(path: Path, data: dict) -> Path:

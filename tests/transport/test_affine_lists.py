@@ -271,9 +271,9 @@ def test_runs_meeting_across_adjacent_segments_coalesce_like_rows(seed: int, ana
     segs = [{"count": 6, "base": lo, "stride": 4 * KIB, "length": 4 * KIB},
             {"count": 4, "base": lo + 24 * KIB, "stride": 4 * KIB, "length": 4 * KIB},
             {"count": 3, "base": lo + 40 * KIB, "stride": 2 * KIB, "length": 2 * KIB}]
-    la, ra = _affine(segs), _affine([dict(s, base=s["base"] - lo + hi) for s in segs])
-    lref = _reference_rows(segs, 0)
-    rref = _reference_rows([dict(s, base=s["base"] - lo + hi) for s in segs], 0)
+    remote_segs = [dict(s, base=s["base"] - lo + hi) for s in segs]
+    la, ra = _affine(segs), _affine(remote_segs)
+    lref, rref = _reference_rows(segs, 0), _reference_rows(remote_segs, 0)
     whole = np.arange(len(la))
     pairs = check_pairs(la, whole, ra, whole, what="t")
     assert pairs.coalesced() == _pair_reference(lref, rref)[1] == 1
