@@ -128,4 +128,4 @@ def test_an_interpreter_without_the_test_extras_is_named_before_any_copy(tmp_pat
     assert why is not None and str(fake) in why and "No module named 'xdist'" in why
     assert "pip install -e '.[test,report]'" in why
     venv = ROOT / ".venv" / "bin" / "python"
-    assert script.test_python() == (str(venv) if venv.is_file() else sys.executable)
+    assert script.interpreter_for_tests() == (str(venv) if venv.is_file() else sys.executable)
