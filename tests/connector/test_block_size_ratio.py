@@ -143,10 +143,9 @@ def test_a_connector_that_does_not_zero_the_tail_is_caught(monkeypatch, model, p
     # (the reference does not zero at allocation): a connector that skips the zeroing (#49612)
     # leaves them there, and the oracle must say so, on the requests whose tail is not empty
     from hkvsim.connector.worker import ConnectorWorker
-
-    monkeypatch.setattr(ConnectorWorker, "zero_sub_blocks", lambda self, ids, bsr: None)
     from hkvsim.results import result_json
 
+    monkeypatch.setattr(ConnectorWorker, "zero_sub_blocks", lambda self, ids, bsr: None)
     result = run(_text(model, p_tp, d_tp, 64))
     assert result.outcome == "corruption"
     # 100, 333, 17, 1000 tokens: every request's last 64-token decode block ends past the last
