@@ -214,23 +214,24 @@ def _unscale(len_remote_full: int, local: RankMetadata, remote: RankMetadata, bs
 
 
 def _check_ssm_sizes(local: RankMetadata, remote: RankMetadata) -> None:
-    """Testbed addition: remote (conv, recurrent) == local x local_TP / remote_TP, exactly."""
-    for name, l_val, r_val in zip(("conv", "recurrent"), local.ssm_sizes, remote.ssm_sizes):
+    """Testbed addition: remote (conv, recurrent) == local x local_TP / remote_TP, exactly, and
+    the same of every state sub-region (equal totals split differently would be read at the
+    local side's offsets)."""
+    def expect_scaled(what: str, l_val: int, r_val: int, note: str = "") -> None:
         if r_val * remote.tp_size != l_val * local.tp_size:
             raise HandshakeError(
-                "SSM", f"{name} state bytes: local {l_val} at TP {local.tp_size}, remote {r_val} at "
-                f"TP {remote.tp_size}; expected remote == local x {local.tp_size}/{remote.tp_size}"
-            )
+                "SSM", f"{what}: local {l_val} at TP {local.tp_size}, remote {r_val} at TP "
+                f"{remote.tp_size}; expected remote == local x {local.tp_size}/{remote.tp_size}"
+                + note)
+
+    for name, l_val, r_val in zip(("conv", "recurrent"), local.ssm_sizes, remote.ssm_sizes):
+        expect_scaled(f"{name} state bytes", l_val, r_val)
     if len(local.ssm_subregion_sizes) != len(remote.ssm_subregion_sizes):
         raise HandshakeError(
             "SSM", f"state sub-region count: local {len(local.ssm_subregion_sizes)}, remote "
             f"{len(remote.ssm_subregion_sizes)}"
         )
     for i, (l_val, r_val) in enumerate(zip(local.ssm_subregion_sizes, remote.ssm_subregion_sizes)):
-        if r_val * remote.tp_size != l_val * local.tp_size:
-            raise HandshakeError(
-                "SSM", f"state sub-region {i}: local {l_val} bytes at TP {local.tp_size}, remote "
-                f"{r_val} at TP {remote.tp_size}; expected remote == local x "
-                f"{local.tp_size}/{remote.tp_size} (same totals, different split: the offsets "
-                f"read would not be the remote's)"
-            )
+        expect_scaled(f"state sub-region {i} bytes", l_val, r_val,
+                      " (same totals, different split: the offsets read would not be the "
+                      "remote's)")
