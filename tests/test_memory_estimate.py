@@ -75,8 +75,11 @@ prompt_tokens = 300
     assert small.descriptor_lists == large.descriptor_lists > 0
     assert twice.records == 2 * small.records > 0
     assert all(v > 0 for v in small.as_dict().values()), small.as_dict()
-    # a prefill rank's state comes in sub-regions: a hybrid's lists are larger than the
-    # same engines' lists would be without its state regions
+
+
+def test_a_hybrid_list_counts_its_state_sub_regions() -> None:
+    # a rank's state comes in sub-regions: a hybrid's lists are larger than the same engines'
+    # lists would be without its state regions
     layout = build_deployment(load_scenarios(KIMI)[0]).engines["decode"][0].layout
     assert memory_estimate._list_bytes(layout) > (
         memory_estimate.LIST_BYTES + len(layout.regions) * memory_estimate.SEGMENT_BYTES)
