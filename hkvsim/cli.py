@@ -246,9 +246,11 @@ def _print_result(console: Any, d: dict[str, Any]) -> None:
     counts = f"requests: {req['completed']}/{req['total']} completed, {req['failed']} failed, "
     counts += f"{req['hung']} hung" + (f", {req['aborted']} aborted" if req["aborted"] else "")
     console.print(f"{counts}; {_bytes_line(req, d['verification'])}")
-    leaks = ", ".join(f"{k} {v}" for k, v in d["leaks"].items())
+    # only what leaked, in red; "none" when every counter is zero
+    leaks = ", ".join(f"{k} {v}" for k, v in d["leaks"].items() if v)
     console.print(f"moved {req['bytes']:,} B in {req['descriptors']:,} descriptors over "
-                  f"{req['transfers']:,} transfers; leaks: {leaks or 'none'}")
+                  f"{req['transfers']:,} transfers; leaks: "
+                  + (f"[red]{leaks}[/]" if leaks else "none"))
     t = d["time"]
     clock = "simulated" if t["clock"] == "simulated" else "wall clock"
     line = f"elapsed {t['elapsed_seconds']:.3f} s ({clock})"

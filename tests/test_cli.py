@@ -138,3 +138,46 @@ def test_help_lists_the_commands() -> None:
     assert proc.returncode == 0
     for command in ("plan", "run", "sweep", "presets", "quirks"):
         assert command in proc.stdout
+
+
+def _text_of_run(capsys, path: Path, leaks: dict[str, int] | None = None,
+                 monkeypatch=None) -> str:
+    """`hkvsim run FILE` as a terminal shows it (wide, so that no line wraps), optionally with
+    the run's leak counters replaced after the run."""
+    from hkvsim import results
+
+    if leaks is not None:
+        real = results.result_json
+
+        def leaky(*args, **kwargs):
+            data = real(*args, **kwargs)
+            data["leaks"] = dict(data["leaks"], **leaks)
+            return data
+        monkeypatch.setattr(results, "result_json", leaky)  # cli imports it when it runs
+    monkeypatch.setenv("COLUMNS", "300")
+    main(["run", str(path)])
+    return capsys.readouterr().out
+
+
+def test_run_text_names_what_leaked_and_says_none_otherwise(tmp_path, capsys,
+                                                            monkeypatch) -> None:
+    path = _scenario(tmp_path, KIMI.format(p=1, d=2).replace("kimi-linear-48b", "tiny-kimi-linear")
+                     .replace("8192", "300"))
+    clean = _text_of_run(capsys, path, monkeypatch=monkeypatch)
+    assert "leaks: none" in clean, clean
+    leaked = _text_of_run(capsys, path, {"decode_blocks": 3, "open_handles": 1},
+                          monkeypatch=monkeypatch)
+    line = next(ln for ln in leaked.splitlines() if "leaks:" in ln)
+    assert line.split("leaks: ")[1].strip() == "decode_blocks 3, open_handles 1", line
+
+
+def test_sweep_text_of_a_single_variant(tmp_path, capsys, monkeypatch) -> None:
+    body = (KIMI.format(p=1, d=1).replace("kimi-linear-48b", "tiny-llama").replace("8192", "40")
+            + "[sweep]\ndecode.tp = [2]\n")
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["sweep", str(_scenario(tmp_path, body))]) == 0
+    out = capsys.readouterr().out
+    assert "kimi: 1 variant(s)" in out
+    row = next(ln for ln in out.splitlines() if "D.tp=2" in ln)
+    assert row.split()[1:8:2] == ["D.tp=2", "ok", "met", "1/1"] and "exact" in row, row
+    assert "D.tp = decode.tp" in out
