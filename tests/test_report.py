@@ -79,6 +79,9 @@ def test_report_writes_markdown_figures_and_trace(sweep_report: tuple[Path, Path
     assert not (out / "simulated-vs-measured.png").exists()
     assert "The oracle checked every byte of every completed request in all 8 variants" in text
     assert text.startswith("# report test\n")
+    # one input and no --compare: nothing is put side by side
+    assert json.loads((out / "report.json").read_text())["comparison"] is None
+    assert "## Input `" not in text
 
 
 def test_trace_is_valid_chrome_trace_of_every_transfer(sweep_report: tuple[Path, Path]) -> None:

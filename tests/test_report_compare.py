@@ -139,3 +139,19 @@ def test_bad_compare_axis_and_rate_are_one_line(tmp_path) -> None:
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "prefill.tokens_per_second" in proc.stderr and "> 0" in proc.stderr
+
+
+def test_an_axis_asked_for_is_kept_with_several_inputs(tmp_path) -> None:
+    """Two inputs are put side by side by input only when no other axis is asked for."""
+    small = BODY.replace("prefill.tp = [1, 2]\ndecode.tp = [2, 4]\n", "").replace(
+        "[300, 1200, 2500]", "[300]").replace("requests = 3", "requests = 1")
+    paths = []
+    for name, model in (("a", "tiny-kimi-linear"), ("b", "tiny-qwen3-next")):
+        paths.append(tmp_path / f"{name}.toml")
+        paths[-1].write_text(small.format(name=name, model=model, rate="1000.0"))
+    out = tmp_path / "out"
+    assert main(["report", *map(str, paths), "--out", str(out), "--compare", "connector.mode",
+                 "--calibration", str(tmp_path / "none")]) == 0
+    comparison = json.loads((out / "report.json").read_text())["comparison"]
+    assert comparison["axis"] == "connector.mode"
+    assert comparison["values"] == ["pull", "push"]
