@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -258,3 +259,34 @@ at_seconds = 0.0001
     result = _one(text.replace("at_seconds = 0.0001", "at_seconds = 1000.0"))
     assert result.counters["notification_failures"] == 0
     assert result.counters["lease_expiries"] == 0
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_an_abort_before_scheduling_with_a_block_size_ratio(mode: str) -> None:
+    """Decode never allocated the aborted request's blocks, so there is no sub-block tail to
+    fill with an earlier tenant's bytes (that fill crashed the run on an empty block list);
+    the next request moves byte-exact through the same ratio."""
+    result = _one(f"""
+[scenario]
+name = "abort before scheduling, bsr 4"
+[model]
+preset = "tiny-llama"
+[prefill]
+block_size = 16
+[decode]
+block_size = 64
+[connector]
+mode = "{mode}"
+[workload]
+requests = 2
+prompt_tokens = [150, 150]
+max_inflight = 1
+[[faults]]
+kind = "abort-request"
+request = 0
+phase = "before-scheduling"
+""")
+    aborted, done = result.records
+    assert aborted.status == "aborted" and done.status == "ok", (aborted, done)
+    assert done.mismatched_words == 0 and result.mismatched_bytes == 0
+    assert not any(result.leaks.values()), result.leaks

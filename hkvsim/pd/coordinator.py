@@ -1173,8 +1173,11 @@ class Coordinator:
         """Token slots of decode's loaded blocks that no prefill block fills when decode's kernel
         block spans several prefill blocks (bsr > 1): from the end of the last prefill block
         sent to the end of the loaded blocks. The connector zeroes them after receipt (#49612);
-        None when bsr = 1 (whole blocks are sent, nothing is zeroed)."""
+        None when bsr = 1 (whole blocks are sent, nothing is zeroed) or decode holds no blocks
+        (a request aborted before decode scheduled it)."""
         if decode.layout.kernel_block_size == prefill.layout.kernel_block_size:
+            return None
+        if not any(len(ids) for ids in job.blocks.values()):
             return None
         layout = decode.layout
         loaded_end = layout.blocks_for_tokens(job.load_tokens) * layout.logical_block_size
