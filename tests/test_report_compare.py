@@ -155,3 +155,35 @@ def test_an_axis_asked_for_is_kept_with_several_inputs(tmp_path) -> None:
     comparison = json.loads((out / "report.json").read_text())["comparison"]
     assert comparison["axis"] == "connector.mode"
     assert comparison["values"] == ["pull", "push"]
+
+
+def test_ratios_are_taken_request_by_request_and_averaged_geometrically(monkeypatch) -> None:
+    """Each request's time on a value over its own time on the baseline, a geometric mean over
+    the requests matched: faster and slower requests both count, a request without a time on
+    either side is left out, and a zero baseline time is never divided by."""
+    from hkvsim.report import axis as axis_module
+    from hkvsim.report.data import Variant
+
+    monkeypatch.setattr(axis_module, "transfer_seconds", lambda v, r: r["t"])
+
+    def variant(mode: str, times: list[float | None]) -> Variant:
+        return Variant(
+            name=f"s [connector.mode={mode}]", family="s", source="s.toml",
+            sweep_point={"connector.mode": mode}, model="m", mode=mode, merge="off",
+            prefill_tp=1, decode_tp=1, profile="p", outcome="ok", expectation_met=True,
+            verification="verified", mismatched_bytes=0, sim_seconds=1.0,
+            requests=[{"index": i, "status": "ok", "t": t, "telemetry": [{"descriptors": 3}]}
+                      for i, t in enumerate(times)],
+            settings={"connector.mode": mode})
+
+    # request 0: 2x slower; 1: 8x faster; 2: no time on push; 3: a zero baseline
+    comparison = axis_module.compare_along(
+        [variant("pull", [1.0, 8.0, 1.0, 0.0]), variant("push", [2.0, 1.0, None, 1.0])],
+        "connector.mode")
+    assert comparison["values"] == ["pull", "push"] and comparison["baseline"] == "pull"
+    assert comparison["matched_requests"] == {"push": 2}
+    assert comparison["pairs"]["push"] == [(1.0, 2.0), (8.0, 1.0)]
+    assert comparison["geomean_ratio"]["push"] == pytest.approx((2.0 * 0.125) ** 0.5)
+    (row,) = comparison["rows"]
+    assert row["cells"]["pull"]["descriptors_posted"] == 12
+    assert row["cells"]["pull"]["transfer_seconds_mean"] == pytest.approx(2.5)
