@@ -112,7 +112,20 @@ def test_trace_is_valid_chrome_trace_of_every_transfer(sweep_report: tuple[Path,
     assert sum(e["ph"] == "X" and e["cat"] == "post" for e in events) == transfers
     names = Counter(e["args"]["name"] for e in events if e["name"] == "process_name")
     assert len(names) == 8 and set(names.values()) == {1}
-    assert any(e["ph"] == "C" for e in events)  # link counters
+    # link counters: one sample per link and time (a zero only in a gap between segments)
+    samples = Counter((e["pid"], e["name"], e["ts"]) for e in events if e["ph"] == "C")
+    assert samples and set(samples.values()) == {1}
+    # each request's transfer window; the posting threads are the initiators' endpoints (the
+    # default profile packs prefill's ranks first: n0g0.., then decode's)
+    assert sum(e["ph"] == "b" and e["name"] == "transfer window" for e in events) == 3 * 8
+    for pid, name in ((e["pid"], e["args"]["name"]) for e in events
+                      if e["name"] == "process_name"):
+        point = dict(kv.split("=") for kv in name.split(" [")[1].rstrip("]").split(", "))
+        p_tp, d_tp = int(point["prefill.tp"]), int(point["decode.tp"])
+        posting = {e["args"]["name"] for e in events if e["pid"] == pid
+                   and e["name"] == "thread_name" and e["tid"] > 0}
+        gpus = range(p_tp) if point["connector.mode"] == "push" else range(p_tp, p_tp + d_tp)
+        assert posting == {f"n0g{g} posting" for g in gpus}, (name, posting)
 
 
 def test_report_is_deterministic(sweep_report: tuple[Path, Path], tmp_path: Path) -> None:
