@@ -1,8 +1,10 @@
 """Property tests: random valid deployments are byte-exact; random invalid ones are refused at
-handshake with the specific rule."""
+handshake with the specific rule; random faults on valid deployments never leave a request
+reported successful with wrong bytes, a request that never ends, or a leak."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -121,3 +123,53 @@ def test_random_invalid_deployments_are_refused_with_the_rule(case: tuple[str, s
     assert all(r.status == "failed" and r.failure_class == "handshake_failed"
                for r in result.records)
     assert result.mismatched_bytes == 0
+
+
+FAULT_KINDS = ["drop-notification", "delay-notification", "fail-transfer", "stall-transfer",
+               "disconnect-peer", "slow-link", "expire-lease-early", "abort-request"]
+PHASES = {"fail-transfer": ["completion", "setup", "poll"],
+          "abort-request": ["on-prefill", "before-scheduling", "during-handshake",
+                            "mid-transfer", "after-completion"]}
+#: every fault kind, and every phase of the kinds that have them
+FAULT_CASES = [(kind, phase) for kind in FAULT_KINDS for phase in PHASES.get(kind, [None])]
+
+
+def _fault(kind: str, phase: str | None, target: str) -> str:
+    return (f'[[faults]]\nkind = "{kind}"\n{target}\n'
+            + (f'phase = "{phase}"\n' if phase else ""))
+
+
+@st.composite
+def faulty_deployments(draw: st.DrawFn, kind: str, phase: str | None) -> str:
+    """A valid deployment (valid_deployments) with the fault ``kind`` at ``phase`` and up to
+    two random others, and short leases and watchdogs, so that every failure path can be
+    reached."""
+    text = draw(valid_deployments())
+    requests = int(text.split("requests = ")[1].split("\n")[0])
+    lease = draw(st.sampled_from([0.5, 5.0]))
+    timeout = draw(st.sampled_from([0.05, 60.0]))
+    policy = draw(st.sampled_from(["fail", "recompute"]))
+    text = text.replace("[connector]\n", f'[connector]\nlease_seconds = {lease}\n'
+                        f'transfer_timeout_seconds = {timeout}\n'
+                        f'kv_load_failure_policy = "{policy}"\n')
+    targets = st.sampled_from([f"request = {draw(st.integers(0, requests - 1))}",
+                               "probability = 0.5", "rank = 0\nprobability = 1.0"])
+    text += _fault(kind, phase, draw(targets))
+    for other, other_phase in draw(st.lists(st.sampled_from(FAULT_CASES), max_size=2)):
+        text += _fault(other, other_phase, draw(targets))
+    return text
+
+
+@pytest.mark.parametrize("kind,phase", FAULT_CASES)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_faults_never_leave_a_corrupted_success_a_hang_or_a_leak(
+        kind: str, phase: str | None, data: st.DataObject) -> None:
+    """Whatever fails: every request ends (ok, failed or aborted), none reported successful
+    holds a wrong byte, and nothing is left allocated or registered."""
+    (scenario,) = parse_scenarios(data.draw(faulty_deployments(kind, phase)))
+    result = run_scenario(scenario)
+    assert result.hung == 0
+    assert {r.status for r in result.records} <= {"ok", "failed", "aborted"}
+    assert not [r.index for r in result.records if r.status == "ok" and r.mismatched_words]
+    assert not any(result.leaks.values()), result.leaks
