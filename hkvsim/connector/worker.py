@@ -143,6 +143,28 @@ def _join(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
+def _logical_blocks(meta: RankMetadata) -> int:
+    """An engine's logical block count from its handshake (num_blocks is kernel-granular)."""
+    return meta.num_blocks // meta.physical_blocks_per_logical
+
+
+def _check_block_ids(ids: Any, limit: int, side: str, group_id: int) -> None:
+    """Raise PairingError unless every logical block id of ``ids`` lies in [0, limit)."""
+    arr = ids if type(ids) is np.ndarray else np.asarray(ids, dtype=np.int64)
+    if arr.size == 0:
+        return
+    if arr.size == 1:
+        lo = hi = arr.item(0)
+    else:
+        lo, hi = arr.min(), arr.max()
+    if lo < 0 or hi >= limit:
+        flat = arr.reshape(-1)
+        bad = int(np.flatnonzero((flat < 0) | (flat >= limit))[0])
+        raise PairingError(f"{side} block id {int(flat[bad])} (group {group_id}, position "
+                           f"{bad}) is outside the {side} engine's {limit} logical blocks; "
+                           f"allowed: 0 to {limit - 1}")
+
+
 _LAST_PAIRING: "tuple[ReadRequest, tuple[Any, ...], _PairedBlocks] | None" = None
 
 
@@ -332,7 +354,8 @@ class ConnectorWorker:
             return self._finish(req.request_id)
         return None
 
-    def _paired_for(self, req: ReadRequest, *, ppl_p: int, bsr: int) -> "_PairedBlocks":
+    def _paired_for(self, req: ReadRequest, *, ppl_p: int, bsr: int, remote_blocks: int
+                    ) -> "_PairedBlocks":
         """The blocks of ``req`` paired (``_pair_blocks``). A request goes to every rank of an
         engine, and the ranks share its layout: what the first rank paired is reused by the
         others for the very same request object (the last pairing is remembered with the
@@ -340,13 +363,15 @@ class ConnectorWorker:
         modified after it is made)."""
         global _LAST_PAIRING
         ppl_d = self.layout.physical_blocks_per_logical
-        key = (id(self.layout), self.role, self.settings.quirks, ppl_p, ppl_d, bsr)
+        key = (id(self.layout), self.role, self.settings.quirks, ppl_p, ppl_d, bsr,
+               remote_blocks)
         last = _LAST_PAIRING
         if last is not None and last[0] is req and last[1] == key:
             return last[2]
         paired = self._pair_blocks(
             prefill_blocks=req.prefill_blocks, decode_blocks=req.decode_blocks,
-            hit_blocks=req.decode_hit_blocks, ppl_p=ppl_p, ppl_d=ppl_d, bsr=bsr)
+            hit_blocks=req.decode_hit_blocks, ppl_p=ppl_p, ppl_d=ppl_d, bsr=bsr,
+            remote_blocks=remote_blocks)
         _LAST_PAIRING = (req, key, paired)
         return paired
 
@@ -373,7 +398,8 @@ class ConnectorWorker:
 
     def _pair_blocks(self, *, prefill_blocks: Mapping[int, np.ndarray],
                      decode_blocks: Mapping[int, np.ndarray], hit_blocks: int, ppl_p: int,
-                     ppl_d: int, bsr: int) -> "_PairedBlocks":
+                     ppl_d: int, bsr: int, remote_blocks: int | None = None
+                     ) -> "_PairedBlocks":
         """Pair prefill's and decode's block ids group by group (docs/semantics.md §6-7), in the
         descriptor-id units both lists use: prefill kernel blocks and decode (sub-)blocks.
 
@@ -381,9 +407,19 @@ class ConnectorWorker:
         sub-blocks, paired by ``pair_attention``. State: paired slot by slot. The remote side's
         ids are expanded with the remote ppl; quirk local-ppl-remote-expansion uses the local
         one instead (the Qwen3.5 4P2D corruption).
+
+        ``remote_blocks``: the remote engine's logical block count (its handshake). Every
+        block id must name one of its engine's logical blocks: an id past the end would
+        address the same block of the next cache region (another layer's bytes), which no
+        descriptor-id range check notices; PairingError names it. None: not checked.
         """
         quirks = self.settings.quirks
         local_is_decode = self.role == "decode"
+        # the logical block counts of decode and prefill (None: not checked)
+        own = self.layout.num_logical_blocks
+        d_limit, p_limit = ((own, remote_blocks) if local_is_decode else (remote_blocks, own))
+        if remote_blocks is None:
+            d_limit = p_limit = None
         wrong_ppl = "local-ppl-remote-expansion" in quirks
         p_expand = ppl_d if wrong_ppl and local_is_decode else ppl_p
         d_expand = ppl_p if wrong_ppl and not local_is_decode else ppl_d
@@ -401,9 +437,15 @@ class ConnectorWorker:
             d_ids = decode_blocks.get(group_id, ())
             if attention:
                 d_sub, d_range = expand_logical_range(d_ids, d_expand)
+                if d_limit is not None and not (  # a range: its first and last id say it
+                        d_range and d_sub.item(0) >= 0 and d_sub.item(-1) < d_limit * d_expand):
+                    _check_block_ids(d_ids, d_limit, "decode", group_id)
                 if bsr > 1:
                     d_sub, d_range = to_sub_blocks(d_sub, bsr), False
                 p_sub, p_range = expand_logical_range(p_ids, p_expand)
+                if p_limit is not None and not (
+                        p_range and p_sub.item(0) >= 0 and p_sub.item(-1) < p_limit * p_expand):
+                    _check_block_ids(p_ids, p_limit, "prefill", group_id)
                 # (a slice of consecutive ids is consecutive: pairing keeps the flags)
                 local, remote = pair_attention_ids(
                     d_sub, p_sub, decode_hit_units=hit_units,
@@ -417,6 +459,11 @@ class ConnectorWorker:
                 p_ids = np.asarray(p_ids, dtype=np.int64)
             if not (type(d_ids) is np.ndarray and d_ids.dtype is _INT64):
                 d_ids = np.asarray(d_ids, dtype=np.int64)
+            if d_limit is not None and not (  # one slot each (the common case): two ids
+                    d_ids.size == 1 == p_ids.size and 0 <= d_ids.item(0) < d_limit
+                    and 0 <= p_ids.item(0) < p_limit):
+                _check_block_ids(d_ids, d_limit, "decode", group_id)
+                _check_block_ids(p_ids, p_limit, "prefill", group_id)
             if d_ids.size == p_ids.size:  # the common case of pair_state_slots
                 state_p.append(p_ids)
                 state_d.append(d_ids)
@@ -444,7 +491,8 @@ class ConnectorWorker:
         first = next(iter(remotes.values()))
         bsr, plan = first.bsr, first.plan
         quirks = self.settings.quirks
-        paired = self._paired_for(req, ppl_p=first.meta.physical_blocks_per_logical, bsr=bsr)
+        paired = self._paired_for(req, ppl_p=first.meta.physical_blocks_per_logical, bsr=bsr,
+                                  remote_blocks=_logical_blocks(first.meta))
         la, ra = paired.attention_decode, paired.attention_prefill
         ls, rs = paired.state_decode, paired.state_prefill
         count = max(1, self.layout.tp // first.meta.tp_size)
@@ -510,7 +558,8 @@ class ConnectorWorker:
                 f"{sorted(remotes)} (hybrid MLA+SSM with prefill TP {p_tp} < decode TP {d_tp})")
         paired = self._pair_blocks(
             prefill_blocks=req.prefill_blocks, decode_blocks=reg.blocks,
-            hit_blocks=reg.hit_blocks, ppl_p=ppl_p, ppl_d=ppl_d, bsr=bsr)
+            hit_blocks=reg.hit_blocks, ppl_p=ppl_p, ppl_d=ppl_d, bsr=bsr,
+            remote_blocks=_logical_blocks(first.meta))
         la, ra = paired.attention_prefill, paired.attention_decode
         ls, rs = paired.state_prefill, paired.state_decode
         notif = f"{reg.decode_request_id}:{p_tp}".encode()

@@ -297,11 +297,14 @@ def test_registration_hull_answers_like_rows() -> None:
             assert got.startswith(f"descriptor {inside.index(False)} ")
 
 
-def test_worker_posts_template_rows_and_refuses_bad_ids() -> None:
+def test_worker_posts_template_rows_and_refuses_bad_ids(monkeypatch) -> None:
     """Through ConnectorWorker.start_read over the simulated transport: merged rows of
     fragmented requests (templates reused across shifted block ids) equal the full path's,
-    and an id out of range still fails the request with the full check's message."""
+    and an id out of range still fails the request: by its block id, and (that check off)
+    with the transport's full check's message."""
     import dataclasses
+
+    from hkvsim.connector import worker as worker_module
 
     from benchmarks.test_planning_public import PublicPlan
     from hkvsim.transport.planned import PlannedRows as PR
@@ -340,11 +343,17 @@ def test_worker_posts_template_rows_and_refuses_bad_ids() -> None:
             assert was_planned == (shift != 0)  # a template from the second sighting on
             assert np.array_equal(local, ref.local) and np.array_equal(remote, ref.remote)
         del rng
-        # a block id beyond the list: the full check's message, not a template's answer
+        # a block id beyond the engine's blocks: refused by name before any descriptor
         huge = {g: v + 10 ** 6 for g, v in plan.request.decode_blocks.items()}
         outcome = worker.start_read(dataclasses.replace(plan.request, decode_blocks=huge))
         assert outcome is not None and not outcome.ok
+        assert "decode block id 1000001 (group 0, position 0) is outside" in outcome.reason
+        # and without that check, the transport's own: not a template's answer
+        monkeypatch.setattr(worker_module, "_check_block_ids", lambda *args: None)
+        outcome = worker.start_read(dataclasses.replace(plan.request, decode_blocks=huge))
+        assert outcome is not None and not outcome.ok
         assert "descriptor id out of range" in outcome.reason
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("pattern", [[0], [0, 1, 3]])

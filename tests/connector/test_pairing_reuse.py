@@ -51,10 +51,11 @@ def test_reused_pairings_move_every_byte_right(preset: str, d_tp: int,
     posted = sum(r.transfers for r in shared.records)
     assert 0 < len(reused) < posted  # some ranks reused a pairing
 
-    def fresh(self, req, *, ppl_p, bsr):  # type: ignore[no-untyped-def]
+    def fresh(self, req, *, ppl_p, bsr, remote_blocks):  # type: ignore[no-untyped-def]
         return original(self, prefill_blocks=req.prefill_blocks, decode_blocks=req.decode_blocks,
                         hit_blocks=req.decode_hit_blocks, ppl_p=ppl_p,
-                        ppl_d=self.layout.physical_blocks_per_logical, bsr=bsr)
+                        ppl_d=self.layout.physical_blocks_per_logical, bsr=bsr,
+                        remote_blocks=remote_blocks)
 
     monkeypatch.setattr(worker_mod.ConnectorWorker, "_paired_for", fresh)
     each = run_scenario(scenario)
