@@ -39,6 +39,15 @@ def test_a_worker_reads_its_place_from_torchruns_variables_only() -> None:
         read_torchrun_env({**TORCHRUN_ENV, "LOCAL_RANK": "x"})
     with pytest.raises(EnvError, match="do not fit"):
         read_torchrun_env({**TORCHRUN_ENV, "RANK": "4"})
+    assert env.restart == 0 and env.run_id == "abc" and env.master_addr == "10.0.0.1"
+    assert read_torchrun_env({**TORCHRUN_ENV, "TORCHELASTIC_RESTART_COUNT": "3"}).restart == 3
+    assert read_torchrun_env({**TORCHRUN_ENV, "TORCHELASTIC_RESTART_COUNT": ""}).restart == 0
+    for addr in (None, ""):
+        env_without = {k: v for k, v in TORCHRUN_ENV.items() if k != "MASTER_ADDR"}
+        if addr is not None:
+            env_without["MASTER_ADDR"] = addr
+        with pytest.raises(EnvError, match=r"^MASTER_ADDR is not set: start hkvsim.lab with "):
+            read_torchrun_env(env_without)
 
 
 def test_only_allow_listed_variables_reach_a_spawned_rank() -> None:
