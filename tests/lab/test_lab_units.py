@@ -456,3 +456,27 @@ def test_a_rank_logs_to_its_file_only_while_it_serves(tmp_path) -> None:
 
     assert err.splitlines() == ["before", f"after {EXIT_LOST}"]
     assert "no SETUP from the coordinator" in log.read_text()
+
+
+@pytest.mark.parametrize("bad", [{"op": "run"}, {"node": -1}, {"local_rank": -1}, {"gpus": -1}])
+def test_a_malformed_slot_is_refused(bad: dict) -> None:
+    good = {"op": "slot", "node": 1, "local_rank": 0, "gpus": 2}
+    assert check_slot(good) == {"node": 1, "local_rank": 0, "gpus": 2}
+    with pytest.raises(ProtocolError, match=r"^malformed slot "):
+        check_slot({**good, **bad})
+
+
+def test_an_oversized_store_value_is_refused_both_ways() -> None:
+    import msgpack
+
+    from hkvsim.lab_store import MAX_VALUE
+
+    raw = DictStore()
+    store = LabStore(raw)
+    big = {"op": "slot", "pad": "x" * MAX_VALUE}
+    with pytest.raises(ProtocolError, match=r"^store value 'slot/0' is \d+ B, over "):
+        store.put("slot/0", big)
+    assert "slot/0" not in raw.data
+    raw.data["slot/0"] = msgpack.packb(big)  # written by someone else
+    with pytest.raises(ProtocolError, match=r"^store value 'slot/0' is \d+ B, over "):
+        store.take("slot/0", 1.0)
