@@ -186,6 +186,23 @@ def test_gqa_hetero_tp_is_refused_by_both_and_vllm_leaks_the_refused_agent(
         assert vllm.leaks["after_shutdown"] >= 1  # the vLLM finding (docs/vllm.md)
 
 
+def test_hybrid_prefix_caching_with_different_ppl_is_refused_by_both(vllm_required: str) -> None:
+    """vLLM's own rule (hkvsim's V4) reads the engine's prefix-cache setting from its vLLM
+    config: the harness passes each engine's, so vLLM refuses where the core does (with it
+    always off, vLLM went ahead and paired prefill's prefix with decode's suffix)."""
+    from hkvsim.implementations.diff import compare_results, with_implementation
+
+    path = ROOT / "scenarios" / "vllm" / "xfail-hybrid-prefix-cache-hetero-ppl.toml"
+    for s in load_scenarios(path):
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        vllm = run_scenario(s)
+        assert core.handshake_errors and "V4: " in core.handshake_errors[0]
+        assert vllm.handshake_errors and ("heterogeneous physical_blocks_per_logical"
+                                          in vllm.handshake_errors[0]), vllm.handshake_errors
+        assert vllm.corrupted == 0 and vllm.completed == 0
+        assert compare_results(s.scenario.name, core, vllm) == []
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_no_vllm_thread_runs(vllm_required: str, tmp_path: Path, monkeypatch, mode: str) -> None:
     # determinism: vLLM's handshake executor is replaced by a synchronous one, push's writer

@@ -415,6 +415,8 @@ class VllmHarness:
                                   f"only {', '.join(RUNNABLE_VERSIONS)} today")
         self.now = now
         self.mode = "pull"  # or "push": which of vLLM's workers every rank runs
+        # per role: whether that engine runs with its prefix cache on (its vLLM CacheConfig)
+        self.prefix_caching: dict[str, bool] = {}
         self.source: str | None = None  # the scenario file, for error lines
         self.engines: dict[str, dict[int, VllmRank]] = {}  # the ranks built in this process
         self.peers: dict[str, dict[int, bytes]] = {}  # handshake payloads, per engine and rank
@@ -485,6 +487,10 @@ class VllmHarness:
         # vLLM's CPU platform rewrites the block size for its own attention backend; the engine
         # this stands for runs the GPU backend the layout names
         config.cache_config.block_size = layout.logical_block_size
+        # the engine's prefix cache as the scenario sets it (set after the config is built,
+        # which may turn it off for the CPU platform or the stand-in model): vLLM's handshake
+        # rule for hybrid models with different ppl (hkvsim's V4) reads it
+        config.cache_config.enable_prefix_caching = self.prefix_caching.get(rank.role, False)
         if layout.is_hybrid:
             # a hybrid model runs with vLLM's hybrid KV-cache manager (the config derived here
             # from a stand-in HF model without state layers may have turned it off)

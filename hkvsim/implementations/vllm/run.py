@@ -48,6 +48,9 @@ def vllm_worker_factory(dep: Deployment, *, now: Callable[[], float], moves_byte
     harness = VllmHarness(now)
     harness.source = source
     harness.mode = scenario.connector.mode
+    # each engine's prefix cache, as its vLLM config says (vLLM's rule V4 reads it)
+    harness.prefix_caching = {role: getattr(scenario, role).prefix_caching
+                              for role in ("prefill", "decode")}
 
     def make(**kw: Any) -> VllmConnectorWorker:
         return VllmConnectorWorker(harness=harness, **kw)
