@@ -410,8 +410,9 @@ class ConnectorWorker:
 
         ``remote_blocks``: the remote engine's logical block count (its handshake). Every
         block id must name one of its engine's logical blocks: an id past the end would
-        address the same block of the next cache region (another layer's bytes), which no
-        descriptor-id range check notices; PairingError names it. None: not checked.
+        address a block of the next cache region (another layer's bytes), which a range check
+        over the whole descriptor list notices only when it runs off the list's end;
+        PairingError names it. None: not checked.
         """
         quirks = self.settings.quirks
         local_is_decode = self.role == "decode"
