@@ -290,3 +290,29 @@ phase = "before-scheduling"
     assert aborted.status == "aborted" and done.status == "ok", (aborted, done)
     assert done.mismatched_words == 0 and result.mismatched_bytes == 0
     assert not any(result.leaks.values()), result.leaks
+
+
+def test_a_push_registration_over_one_mib_is_dropped() -> None:
+    """The size cap is checked before decoding: a registration just over 1 MiB is dropped
+    (None), one just under it decodes."""
+    def registration(n: int) -> bytes:
+        return PushRegistration(decode_request_id="r", decode_engine="decode0", decode_tp=1,
+                                prefill_engine="prefill0", blocks={0: np.full(n, 1 << 20)},
+                                hit_blocks=0).encode()
+
+    under, over = registration(209_000), registration(210_000)  # 5 B per id (uint32)
+    assert len(under) <= 1 << 20 < len(over)
+    got = PushRegistration.decode(under)
+    assert got is not None and got.blocks[0].size == 209_000
+    assert PushRegistration.decode(over) is None
+
+
+@pytest.mark.parametrize("decode_tp,hit_blocks,ok", [(1, 0, True), (0, 0, False), (1, -1, False),
+                                                     (0, 3, False)])
+def test_a_push_registration_needs_a_decode_tp_and_no_negative_hit(decode_tp: int,
+                                                                   hit_blocks: int,
+                                                                   ok: bool) -> None:
+    message = PushRegistration(decode_request_id="r", decode_engine="decode0",
+                               decode_tp=decode_tp, prefill_engine="prefill0",
+                               blocks={0: np.arange(3)}, hit_blocks=hit_blocks).encode()
+    assert (PushRegistration.decode(message) is not None) is ok
