@@ -140,8 +140,8 @@ def test_help_lists_the_commands() -> None:
         assert command in proc.stdout
 
 
-def _text_of_run(capsys, path: Path, leaks: dict[str, int] | None = None,
-                 monkeypatch=None) -> str:
+def _text_of_run(capsys, monkeypatch, path: Path, leaks: dict[str, int] | None = None
+                 ) -> str:
     """`hkvsim run FILE` as a terminal shows it (wide, so that no line wraps), optionally with
     the run's leak counters replaced after the run."""
     from hkvsim import results
@@ -163,10 +163,9 @@ def test_run_text_names_what_leaked_and_says_none_otherwise(tmp_path, capsys,
                                                             monkeypatch) -> None:
     path = _scenario(tmp_path, KIMI.format(p=1, d=2).replace("kimi-linear-48b", "tiny-kimi-linear")
                      .replace("8192", "300"))
-    clean = _text_of_run(capsys, path, monkeypatch=monkeypatch)
+    clean = _text_of_run(capsys, monkeypatch, path)
     assert "leaks: none" in clean, clean
-    leaked = _text_of_run(capsys, path, {"decode_blocks": 3, "open_handles": 1},
-                          monkeypatch=monkeypatch)
+    leaked = _text_of_run(capsys, monkeypatch, path, {"decode_blocks": 3, "open_handles": 1})
     line = next(ln for ln in leaked.splitlines() if "leaks:" in ln)
     assert line.split("leaks: ")[1].strip() == "decode_blocks 3, open_handles 1", line
 
