@@ -1,7 +1,8 @@
 """Block ids outside their engine's logical blocks are refused by name, before any descriptor is
-made (ConnectorWorker._pair_blocks): an id past the end would otherwise address the same block
-of the next cache region -- another layer's bytes -- and descriptor-id range checks over the
-whole prepared list do not notice it. Both public calls, both sides, attention and state."""
+made (ConnectorWorker._pair_blocks): an id past the end would otherwise address a block of the
+next cache region -- another layer's bytes -- which a range check over the whole prepared list
+notices only when it runs off the list's end. Both public calls, both sides, attention and
+state."""
 
 from __future__ import annotations
 
