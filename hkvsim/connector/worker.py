@@ -417,10 +417,11 @@ class ConnectorWorker:
         quirks = self.settings.quirks
         local_is_decode = self.role == "decode"
         # the logical block counts of decode and prefill (None: not checked)
-        own = self.layout.num_logical_blocks
-        d_limit, p_limit = ((own, remote_blocks) if local_is_decode else (remote_blocks, own))
-        if remote_blocks is None:
-            d_limit = p_limit = None
+        d_limit: int | None = None
+        p_limit: int | None = None
+        if remote_blocks is not None:
+            own = self.layout.num_logical_blocks
+            d_limit, p_limit = (own, remote_blocks) if local_is_decode else (remote_blocks, own)
         wrong_ppl = "local-ppl-remote-expansion" in quirks
         p_expand = ppl_d if wrong_ppl and local_is_decode else ppl_p
         d_expand = ppl_p if wrong_ppl and not local_is_decode else ppl_d
