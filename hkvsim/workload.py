@@ -1,8 +1,9 @@
 """What a workload asked for against what the deployment could do with it.
 
 A prefix-cache hit is reused in whole logical blocks of the decode engine (docs/semantics.md §7):
-decode loads tokens [hit, N-1) and a hit that is not a whole number of its logical blocks is
-rounded down. With Kimi-Linear's or Qwen3-Next's large logical blocks (512-1,920 tokens) a small
+a hit covers at most N-1 of the N prompt tokens, decode loads the rest up to token N-1 (a model
+with state) or N (without), and a hit that is not a whole number of its logical blocks is rounded
+down. With Kimi-Linear's or Qwen3-Next's large logical blocks (512-1,920 tokens) a small
 requested hit can reuse nothing. Each request records both numbers (``prefix_hit_tokens``
 requested, ``effective_prefix_hit_tokens`` reused); :func:`hit_rounding_warnings` says so once
 per run when they differ.

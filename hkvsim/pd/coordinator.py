@@ -509,7 +509,8 @@ class Coordinator:
         if abort == "before-scheduling":
             job = DecodeJob(blocks={}, load={g.group_id: np.zeros(0, np.int64)
                                              for g in decode.layout.groups},
-                            hit_blocks=0, load_tokens=rec.prompt_tokens - 1)
+                            hit_blocks=0, prompt_tokens=rec.prompt_tokens,
+                            load_tokens=self._decode_load_tokens(decode, rec.prompt_tokens))
             req.enter(Phase.DECODE_FILL)
         else:
             job = yield from self._decode_allocate(req, decode)
@@ -662,17 +663,20 @@ class Coordinator:
     def _decode_allocate(self, req: _Request, decode: _Engine) -> Flow:
         """Allocate decode's blocks for the whole prompt and apply its prefix-cache hit.
 
-        Decode loads tokens [hit, N-1) and computes token N itself (§6): its load list is the
-        uncached blocks up to N-1 tokens, a hit of whole logical blocks. A hit that covers all
-        N-1 tokens is a full hit; for models with state the cached prefix includes the state
-        checkpoint at its end, so nothing is transferred (notification only)."""
+        A model with state loads tokens [hit, N-1) and computes token N itself (§6); a model
+        without state loads [hit, N), as decode's scheduler matches every prompt token it has not
+        cached (it recomputes token N over the same KV). The load list is the uncached blocks up
+        to that token; a hit is whole logical blocks of at most N-1 tokens (decode's own cache
+        never matches the last one). A hit that covers every token to load is a full hit: for a
+        model with state the cached prefix includes the state checkpoint at its end, so nothing
+        is transferred (notification only); a model without state always loads token N."""
         rec = req.rec
         layout = decode.layout
         blocks = yield from self._allocate(decode, layout.blocks_for_tokens(rec.prompt_tokens),
                                            rec.index)
         req.enter(Phase.DECODE_FILL)
-        load_tokens = rec.prompt_tokens - 1
-        hit_blocks = min(rec.prefix_hit_tokens, load_tokens) // layout.logical_block_size
+        load_tokens = self._decode_load_tokens(decode, rec.prompt_tokens)
+        hit_blocks = min(rec.prefix_hit_tokens, rec.prompt_tokens - 1) // layout.logical_block_size
         hit_tokens = hit_blocks * layout.logical_block_size
         rec.effective_prefix_hit_tokens = hit_tokens
         full_hit = hit_tokens >= load_tokens
@@ -691,7 +695,14 @@ class Coordinator:
                 ids = ids[:0]
             load[group.group_id] = ids
         return DecodeJob(blocks=blocks, load=load, hit_blocks=hit_blocks,
-                         load_tokens=load_tokens, failure=failure)
+                         prompt_tokens=rec.prompt_tokens, load_tokens=load_tokens,
+                         failure=failure)
+
+    @staticmethod
+    def _decode_load_tokens(decode: _Engine, prompt_tokens: int) -> int:
+        """Prompt tokens decode loads rather than computes (§6): N-1 for a model with state
+        (its state cannot take token N twice), N for a model without state."""
+        return prompt_tokens - 1 if decode.layout.is_hybrid else prompt_tokens
 
     # ---- handshakes -------------------------------------------------------------------------
     def _connect(self, local: _Engine, remote: _Engine, rec: RequestRecord) -> Flow:
@@ -1182,7 +1193,7 @@ class Coordinator:
         layout = decode.layout
         loaded_end = layout.blocks_for_tokens(job.load_tokens) * layout.logical_block_size
         p_kernel = prefill.layout.kernel_block_size
-        sent_end = -(-self.dep.prefill_tokens(job.load_tokens + 1) // p_kernel) * p_kernel
+        sent_end = -(-self.dep.prefill_tokens(job.prompt_tokens) // p_kernel) * p_kernel
         start = max(min(sent_end, loaded_end), job.hit_blocks * layout.logical_block_size)
         return (start, loaded_end) if start < loaded_end else None
 
@@ -1199,7 +1210,7 @@ class Coordinator:
             kernel = expand_logical(job.load[group.group_id], ppl)
             subs = to_sub_blocks(kernel, bsr)
             first_sub = job.hit_blocks * ppl * bsr
-            sent = self.dep.prefill_tokens(job.load_tokens + 1)
+            sent = self.dep.prefill_tokens(job.prompt_tokens)
             received = max(0, min(subs.size, -(-sent // p_kernel) - first_sub))
             yield self._call_all(decode.ranks(), PostProcess(zero=subs[received:], kernel=kernel,
                                                              bsr=bsr))
@@ -1216,7 +1227,7 @@ class Coordinator:
         replies = yield self._call_all(decode.ranks(), Verify(
             request=rec.index, blocks=job.blocks, tokens=(0, job.load_tokens),
             state_step=job.load_tokens if hybrid else None, zero_tail=tail,
-            compute=(job.load_tokens, rec.prompt_tokens),
+            compute=(rec.prompt_tokens - 1, rec.prompt_tokens),
             compute_step=rec.prompt_tokens if hybrid else None))
         for reply in replies:
             if reply.error is not None:  # a rank that cannot verify: nothing is known good

@@ -32,7 +32,8 @@ class DecodeJob:
     blocks: dict[int, np.ndarray]  # group id -> every logical block of the request
     load: dict[int, np.ndarray]  # group id -> the uncached blocks the connector fills
     hit_blocks: int
-    load_tokens: int  # N - 1: decode computes token N itself
+    prompt_tokens: int  # N
+    load_tokens: int  # N - 1 with state (decode computes token N itself), else N
     recomputed: bool = False  # kv_load_failure_policy = "recompute" took over
     failure: tuple[str, str] | None = None  # decode could not fill its prefix (a rank failed)
 

@@ -203,6 +203,28 @@ def test_hybrid_prefix_caching_with_different_ppl_is_refused_by_both(vllm_requir
         assert compare_results(s.scenario.name, core, vllm) == []
 
 
+@pytest.mark.timeout(300)
+def test_n_minus_1_on_a_block_boundary_is_byte_exact_without_state(vllm_required: str) -> None:
+    """Models without state: decode loads all N prompt tokens, so its list is as long as
+    prefill's whatever N is. With N-1-token decode lists, vLLM end-trimmed prefill's list by a
+    block whenever N-1 filled whole blocks and every token landed a block early (1,025 tokens:
+    decode's token 0 held prefill's token 16), though hkvsim's core, pairing from the front, was
+    byte-exact."""
+    from hkvsim.implementations.diff import compare_results, with_implementation
+
+    for s in load_scenarios(ROOT / "scenarios" / "vllm" / "block-boundary-no-state.toml"):
+        vllm = run_scenario(s)
+        assert vllm.outcome == "ok" and vllm.verified, s.scenario.name
+        assert vllm.corrupted == 0 and vllm.mismatched_bytes == 0
+        assert [r.status for r in vllm.records] == ["ok"] * 4
+        # every prompt block moves: 1,025 tokens need as many blocks as 1,040 (16-token
+        # blocks) or 1,088 (64), and one fewer than 1,041 (or 1,089)
+        first, second, third, _ = (r.nbytes for r in vllm.records)
+        assert second > first == third > 0
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        assert compare_results(s.scenario.name, core, vllm) == [], s.scenario.name
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_no_vllm_thread_runs(vllm_required: str, tmp_path: Path, monkeypatch, mode: str) -> None:
     # determinism: vLLM's handshake executor is replaced by a synchronous one, push's writer
