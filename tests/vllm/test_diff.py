@@ -72,6 +72,26 @@ def test_compare_names_each_field_that_differs(tmp_path: Path) -> None:
         (1, "wrong_regions", ["decode0 rank 0, layer 0 (MLA)"], ["decode0 rank 0, layer 1 (MLA)"])]
 
 
+def test_compare_says_which_side_was_byte_exact_and_where_bytes_went(tmp_path: Path) -> None:
+    # vLLM's request 1 has wrong words: the verdict reads hkvsim True, vLLM False (not the other
+    # way round), and the run-level outcome difference is labelled as the run's
+    _, short = _load(tmp_path, 130)
+    a, b = (run_scenario(with_implementation(short, "hkvsim")) for _ in range(2))
+    b.records[1].mismatched_words = 4
+    found = compare_results("v", a, b)
+    verdicts = [d for d in found if d.field == "byte_exact"]
+    assert [(d.request, d.hkvsim, d.vllm) for d in verdicts] == [(1, True, False)]
+    assert str(verdicts[0]) == "v: request 1: byte_exact: hkvsim True, vllm False"
+    (outcome,) = [d for d in found if d.field == "outcome"]
+    assert outcome.request is None and str(outcome).startswith("v: run: outcome: hkvsim 'ok'")
+    # the same bytes delivered to another destination port: both the route and the rank split
+    c = run_scenario(with_implementation(short, "hkvsim"))
+    t = c.records[0].telemetry[0]
+    t["path"] = list(t["path"][:-1]) + ["n9g9.nvl.rx"]
+    found = compare_results("v", a, c)
+    assert [(d.request, d.field) for d in found] == [(0, "sources"), (0, "per_rank")]
+
+
 def test_diff_agrees_on_mla_pull_and_reports_a_planted_divergence(
         vllm_required: str, tmp_path: Path, capsys, monkeypatch) -> None:
     path, _ = _load(tmp_path)
