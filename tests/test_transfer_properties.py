@@ -54,11 +54,25 @@ def valid_deployments(draw: st.DrawFn) -> str:
             (mode == "pull" and p_tp <= d_tp) or p_tp == d_tp):
         ratio = draw(st.sampled_from([1, 2, 4]))
         extra_p, extra_d = "block_size = 16", f"block_size = {16 * ratio}"
-    prompts = draw(st.lists(st.integers(2, 1500), min_size=1, max_size=3))
-    return _scenario(preset=preset, p_tp=p_tp, d_tp=d_tp, mode=mode,
+    # prompts anywhere, and on either side of a block boundary (N-1 or N filling whole blocks:
+    # where decode's list and prefill's can differ by one block)
+    on_a_boundary = st.builds(lambda k, block, off: max(2, k * block + off), st.integers(1, 40),
+                              st.sampled_from([16, 64, 80, 192]), st.sampled_from([-1, 0, 1]))
+    prompts = draw(st.lists(st.one_of(st.integers(2, 1500), on_a_boundary), min_size=1,
+                            max_size=3))
+    hybrid = preset in ("tiny-kimi-linear", "tiny-qwen3-next")
+    hits = None
+    # prefix caching on both sides where it is allowed (a hybrid needs equal ppl: rule V4),
+    # with hits anywhere up to N-1, including all of it
+    if (not hybrid or (p_tp == d_tp and extra_p == extra_d)) and draw(st.booleans()):
+        hits = [draw(st.sampled_from([0, n - 1, (n - 1) // 2])) for n in prompts]
+        caching = "prefix_caching = true"
+        extra_p, extra_d = f"{extra_p}\n{caching}", f"{extra_d}\n{caching}"
+    text = _scenario(preset=preset, p_tp=p_tp, d_tp=d_tp, mode=mode,
                      order=draw(st.sampled_from(["state-first", "attention-first", "sorted"])),
                      prompts=prompts, extra_prefill=extra_p, extra_decode=extra_d,
                      seed=draw(st.integers(0, 1000)))
+    return text if hits is None else f"{text}prefix_hit_tokens = {hits}\n"
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
