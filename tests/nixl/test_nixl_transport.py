@@ -152,6 +152,65 @@ def test_deregistered_memory_makes_lists_stale(pair) -> None:
         a.make_xfer("READ", _descs(ma.base_addr, [0]), name, _descs(mb.base_addr, [0]))
 
 
+def test_memory_under_a_finished_transfer_may_be_deregistered(pair) -> None:
+    # only a transfer still in progress pins its memory; a finished one (not yet released)
+    # does not, and its lists then go stale like any other
+    a, b, ma, mb, name = pair
+    local = a.prep_xfer_dlist("", _descs(ma.base_addr, [0]))
+    remote = a.prep_xfer_dlist(name, _descs(mb.base_addr, [0]))
+    h = a.make_prepped_xfer("READ", local, [0], remote, [0])
+    a.transfer(h)
+    assert _wait(a, h, b) == DONE
+    a.deregister_memory(ma)
+    assert a.resources()["registered_memory"] == 0
+    with pytest.raises(TransportError, match="stale: its memory was deregistered"):
+        a.make_prepped_xfer("READ", local, [0], remote, [0])
+
+
+def test_local_descriptors_outside_registered_memory_are_refused(pair) -> None:
+    a, _, ma, _, _ = pair
+    with pytest.raises(TransportError, match="registered memory"):
+        a.prep_xfer_dlist("", _descs(ma.base_addr + ma.nbytes, [0]))
+    with pytest.raises(TransportError, match="registered memory"):  # straddles its end
+        a.prep_xfer_dlist("", _descs(ma.base_addr, [ma.nbytes - KIB // 2]))
+
+
+def test_a_deferred_list_is_released_with_its_last_transfer(pair) -> None:
+    a, b, ma, mb, name = pair
+    local = a.prep_xfer_dlist("", _descs(ma.base_addr, [0]))
+    remote = a.prep_xfer_dlist(name, _descs(mb.base_addr, [0]))
+    h = a.make_prepped_xfer("READ", local, [0], remote, [0])
+    a.transfer(h)
+    assert _wait(a, h, b) == DONE
+    a.release_dlist_handle(local)  # deferred: the transfer still uses it
+    assert a.resources()["dlist_handles"] == 2
+    a.release_xfer_handle(h)
+    assert a.resources()["dlist_handles"] == 1  # the remote list, still wanted
+    report = a.close()  # releases the remote list itself
+    assert report["released_dlists"] == 1 and report["leaked"] == 0
+    assert not any(a.resources().values()), a.resources()
+
+
+def test_metadata_naming_another_agent_than_nixl_loads_is_refused(pair) -> None:
+    # a peer's wrapper says "t-x" around t-b's NIXL metadata: refused, nothing recorded under
+    # either name, and t-b's own metadata still loads afterwards
+    from hkvsim.transport.base import decode_agent_metadata, encode_agent_metadata
+    from hkvsim.transport.nixl import NixlTransport
+
+    _, b, *_ = pair
+    native = decode_agent_metadata(b.get_agent_metadata(), what="test").native
+    c = NixlTransport("t-c")
+    try:
+        with pytest.raises(TransportError, match="announced agent 't-x' but NIXL loaded 't-b'"
+                           ) as refused:
+            c.add_remote_agent(encode_agent_metadata("t-x", native, []))
+        assert refused.value.kind == "handshake_failed"
+        assert c.resources()["remote_agents"] == 0
+        assert c.add_remote_agent(b.get_agent_metadata()) == "t-b"  # the honest one loads
+    finally:
+        c.close()
+
+
 def test_peer_death_is_remote_disconnect(pair) -> None:
     a, b, ma, mb, name = pair
     local = a.prep_xfer_dlist("", _descs(ma.base_addr, [0]))
