@@ -254,6 +254,22 @@ def test_a_prefix_hit_with_a_block_size_ratio_is_shifted_by_vllm(vllm_required: 
         assert {d.request for d in compare_results(name, core, vllm)} == {None, *wrong}, name
 
 
+@pytest.mark.timeout(300)
+def test_push_with_a_block_size_ratio_is_refused_by_vllm(vllm_required: str) -> None:
+    """vLLM's push refuses a decode block larger than prefill's at the reverse handshake (an
+    assert in its block-size-ratio helper), loudly; hkvsim's core writes the sub-blocks."""
+    from hkvsim.implementations.diff import with_implementation
+
+    for s in load_scenarios(ROOT / "scenarios" / "vllm" / "xfail-push-block-size-ratio.toml"):
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        assert core.outcome == "ok" and core.verified and core.mismatched_bytes == 0
+        vllm = run_scenario(s)
+        assert vllm.outcome == "handshake-error" and vllm.corrupted == 0
+        (error,) = vllm.handshake_errors
+        assert "utils.py:" in error and "not divisible by remote block size 32" in error
+        assert [r.failure_class for r in vllm.records] == ["handshake_failed"] * 2
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_no_vllm_thread_runs(vllm_required: str, tmp_path: Path, monkeypatch, mode: str) -> None:
     # determinism: vLLM's handshake executor is replaced by a synchronous one, push's writer
