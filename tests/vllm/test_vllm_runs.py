@@ -255,6 +255,35 @@ def test_a_prefix_hit_with_a_block_size_ratio_is_shifted_by_vllm(vllm_required: 
 
 
 @pytest.mark.timeout(300)
+def test_mla_with_a_block_size_ratio_damages_a_half_covered_last_block(vllm_required: str
+                                                                       ) -> None:
+    """A vLLM finding (docs/vllm.md): MLA (triton-mla) with decode blocks twice prefill's. When
+    the request's prefill blocks end half way into a decode block, 0.33.0 zeroes that block's
+    tail along the latent dimension (its post-process takes every cache as (blocks, heads,
+    tokens, channels)), damaging the received token and leaving the tail stale; 0.26.0 leaves
+    the tail stale and the received tokens intact. hkvsim's core is byte-exact."""
+    from hkvsim.implementations.diff import with_implementation
+
+    received_damaged = {"0.33.0": True, "0.26.0": False}.get(vllm_required)
+    if received_damaged is None:
+        pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+    path = ROOT / "scenarios" / "vllm" / "finding-mla-block-size-ratio.toml"
+    for s in load_scenarios(path):
+        name = s.scenario.name
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        assert core.outcome == "ok" and core.mismatched_bytes == 0, name
+        vllm = run_scenario(s)
+        assert [r.status for r in vllm.records] == ["ok"] * 4, name  # success reported
+        # 737 and 745 tokens: 47 prefill blocks, the last decode block half covered
+        assert [r.index for r in vllm.records if r.mismatched_words] == [0, 3], name
+        assert [r.nbytes for r in vllm.records] == [r.nbytes for r in core.records], name
+        for rec in (vllm.records[0], vllm.records[3]):
+            kinds = {m.split("(")[1].split(")")[0] for m in rec.mismatches}
+            assert kinds == ({"MLA", "MLA untransferred tail"} if received_damaged
+                             else {"MLA untransferred tail"}), (name, rec.mismatches[:2])
+
+
+@pytest.mark.timeout(300)
 def test_push_with_a_block_size_ratio_is_refused_by_vllm(vllm_required: str) -> None:
     """vLLM's push refuses a decode block larger than prefill's at the reverse handshake (an
     assert in its block-size-ratio helper), loudly; hkvsim's core writes the sub-blocks."""
