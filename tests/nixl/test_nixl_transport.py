@@ -45,6 +45,18 @@ def _wait(t, handle, peer=None) -> str:
     return state
 
 
+def _one_read_done(pair) -> tuple[int, int, int]:
+    """One 4 KiB READ from b's memory into a's, waited on until DONE: (local list, remote
+    list, transfer handle), nothing released."""
+    a, b, ma, mb, name = pair
+    local = a.prep_xfer_dlist("", _descs(ma.base_addr, [0]))
+    remote = a.prep_xfer_dlist(name, _descs(mb.base_addr, [0]))
+    h = a.make_prepped_xfer("READ", local, [0], remote, [0])
+    a.transfer(h)
+    assert _wait(a, h, b) == DONE
+    return local, remote, h
+
+
 def test_is_a_transport(pair) -> None:
     a, *_ = pair
     assert isinstance(a, Transport)
@@ -92,12 +104,8 @@ def test_write_and_non_prepped_strided(pair) -> None:
 
 
 def test_released_handles_are_refused_not_segfaults(pair) -> None:
-    a, b, ma, mb, name = pair
-    local = a.prep_xfer_dlist("", _descs(ma.base_addr, [0]))
-    remote = a.prep_xfer_dlist(name, _descs(mb.base_addr, [0]))
-    h = a.make_prepped_xfer("READ", local, [0], remote, [0])
-    a.transfer(h)
-    assert _wait(a, h, b) == DONE
+    a = pair[0]
+    *_, h = _one_read_done(pair)
     a.release_xfer_handle(h)
     a.release_xfer_handle(h)  # idempotent
     with pytest.raises(TransportError, match="was released"):
@@ -155,12 +163,8 @@ def test_deregistered_memory_makes_lists_stale(pair) -> None:
 def test_memory_under_a_finished_transfer_may_be_deregistered(pair) -> None:
     # only a transfer still in progress pins its memory; a finished one (not yet released)
     # does not, and its lists then go stale like any other
-    a, b, ma, mb, name = pair
-    local = a.prep_xfer_dlist("", _descs(ma.base_addr, [0]))
-    remote = a.prep_xfer_dlist(name, _descs(mb.base_addr, [0]))
-    h = a.make_prepped_xfer("READ", local, [0], remote, [0])
-    a.transfer(h)
-    assert _wait(a, h, b) == DONE
+    a, _, ma, _, _ = pair
+    local, remote, _ = _one_read_done(pair)
     a.deregister_memory(ma)
     assert a.resources()["registered_memory"] == 0
     with pytest.raises(TransportError, match="stale: its memory was deregistered"):
@@ -176,12 +180,8 @@ def test_local_descriptors_outside_registered_memory_are_refused(pair) -> None:
 
 
 def test_a_deferred_list_is_released_with_its_last_transfer(pair) -> None:
-    a, b, ma, mb, name = pair
-    local = a.prep_xfer_dlist("", _descs(ma.base_addr, [0]))
-    remote = a.prep_xfer_dlist(name, _descs(mb.base_addr, [0]))
-    h = a.make_prepped_xfer("READ", local, [0], remote, [0])
-    a.transfer(h)
-    assert _wait(a, h, b) == DONE
+    a = pair[0]
+    local, _, h = _one_read_done(pair)
     a.release_dlist_handle(local)  # deferred: the transfer still uses it
     assert a.resources()["dlist_handles"] == 2
     a.release_xfer_handle(h)
@@ -212,12 +212,8 @@ def test_metadata_naming_another_agent_than_nixl_loads_is_refused(pair) -> None:
 
 
 def test_peer_death_is_remote_disconnect(pair) -> None:
-    a, b, ma, mb, name = pair
-    local = a.prep_xfer_dlist("", _descs(ma.base_addr, [0]))
-    remote = a.prep_xfer_dlist(name, _descs(mb.base_addr, [0]))
-    h = a.make_prepped_xfer("READ", local, [0], remote, [0])
-    a.transfer(h)
-    assert _wait(a, h, b) == DONE
+    a, b, *_ = pair
+    *_, h = _one_read_done(pair)
     b.close()  # the peer's agent goes away (in a run: its process dies)
     try:
         state = a.transfer(h)
