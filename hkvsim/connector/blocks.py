@@ -65,7 +65,8 @@ class AttentionPairing:
 
 def pair_attention(*, decode_ids: np.ndarray, prefill_ids: np.ndarray, decode_hit_units: int,
                    heterogeneous_ppl: bool, ppl_decode: int, ppl_prefill: int,
-                   front_trim_with_prefix: bool = False) -> AttentionPairing:
+                   front_trim_with_prefix: bool = False,
+                   end_trim_by_count: bool = False) -> AttentionPairing:
     """Pair decode's uncached (sub-)blocks with prefill's kernel blocks.
 
     Both lists are in prefill-kernel-block units (decode's as sub-blocks when bsr > 1), in token
@@ -79,18 +80,21 @@ def pair_attention(*, decode_ids: np.ndarray, prefill_ids: np.ndarray, decode_hi
       prefill's suffix and stays token-aligned when a block size ratio leaves a partial tail.
     * Hit with heterogeneous ppl is refused at handshake (V4); ``front_trim_with_prefix`` replays
       the bug of front-trimming anyway (prefill's prefix lands in decode's suffix).
+    * ``end_trim_by_count`` replays quirk bsr-prefix-end-trim: after a hit, decode's list is
+      clipped to prefill's whole list and prefill's is cut to decode's count from its end, which
+      with a block size ratio pairs sub-blocks no prefill block fills with earlier blocks.
     """
     local, remote = pair_attention_ids(
         decode_ids, prefill_ids, decode_hit_units=decode_hit_units,
         heterogeneous_ppl=heterogeneous_ppl, ppl_decode=ppl_decode, ppl_prefill=ppl_prefill,
-        front_trim_with_prefix=front_trim_with_prefix)
+        front_trim_with_prefix=front_trim_with_prefix, end_trim_by_count=end_trim_by_count)
     return AttentionPairing(local=local, remote=remote)
 
 
 def pair_attention_ids(decode_ids: np.ndarray, prefill_ids: np.ndarray, *,
                        decode_hit_units: int, heterogeneous_ppl: bool, ppl_decode: int,
-                       ppl_prefill: int, front_trim_with_prefix: bool = False
-                       ) -> tuple[np.ndarray, np.ndarray]:
+                       ppl_prefill: int, front_trim_with_prefix: bool = False,
+                       end_trim_by_count: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """:func:`pair_attention` as (local, remote) arrays (the connector's per-request path).
     A side that pairs whole is returned as given (no view made)."""
     d = decode_ids if (type(decode_ids) is np.ndarray and decode_ids.dtype is _INT64
@@ -112,6 +116,9 @@ def pair_attention_ids(decode_ids: np.ndarray, prefill_ids: np.ndarray, *,
             "prefix hit with heterogeneous physical_blocks_per_logical cannot be paired "
             "(disable prefix caching for this pair)"
         )
+    if end_trim_by_count:  # quirk bsr-prefix-end-trim: counts, not the hit's position
+        d = d[:p.size]
+        return d, p[p.size - d.size:]
     start = decode_hit_units
     n = max(0, min(d.size, p.size - start))
     return (d if n == d.size else d[:n]), p[start:start + n]

@@ -69,6 +69,15 @@ QUIRKS: dict[str, Quirk] = {
             symptom="decode's received state is the state after N tokens, not N-1",
         ),
         Quirk(
+            name="bsr-prefix-end-trim",
+            reproduces="vLLM 0.26.0-0.33.0 pull with a block size ratio after a decode prefix "
+            "hit: decode's sub-blocks clipped to prefill's whole list, then prefill's list "
+            "end-trimmed to their count (found by hkvsim diff; docs/vllm.md)",
+            symptom="a request whose prompt ends in the first part of a decode block gets prefill "
+            "blocks from before the hit, one place early per empty sub-block: silent KV "
+            "corruption",
+        ),
+        Quirk(
             name="notify-with-decode-request-id",
             reproduces="pure-MLA P_TP > D_TP broadcast notifications carry decode's request id "
             "instead of prefill's",

@@ -432,6 +432,7 @@ class ConnectorWorker:
         heterogeneous = self.model.is_hybrid and ppl_d != ppl_p
         hit_units = hit_blocks * ppl_d * bsr
         front_trim = "front-trim-with-prefix-cache" in quirks
+        by_count = "bsr-prefix-end-trim" in quirks
         attn_p, attn_d, state_p, state_d = [], [], [], []
         ranges = (False, False)
         for group_id, attention in self._group_kinds:
@@ -452,7 +453,8 @@ class ConnectorWorker:
                 local, remote = pair_attention_ids(
                     d_sub, p_sub, decode_hit_units=hit_units,
                     heterogeneous_ppl=heterogeneous, ppl_decode=ppl_d * bsr,
-                    ppl_prefill=ppl_p, front_trim_with_prefix=front_trim)
+                    ppl_prefill=ppl_p, front_trim_with_prefix=front_trim,
+                    end_trim_by_count=by_count)
                 attn_p.append(remote)
                 attn_d.append(local)
                 ranges = (p_range, d_range)

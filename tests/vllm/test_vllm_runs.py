@@ -252,6 +252,19 @@ def test_a_prefix_hit_with_a_block_size_ratio_is_shifted_by_vllm(vllm_required: 
         assert any("(K/V)" in m for m in shifted.mismatches), shifted.mismatches[:2]
         # 0.26.0 also leaves the untransferred tail of request 2 stale (its finding above)
         assert {d.request for d in compare_results(name, core, vllm)} == {None, *wrong}, name
+        # hkvsim's replay of the bug (quirk bsr-prefix-end-trim) moves the same descriptors and
+        # puts the same wrong K/V bytes where vLLM does (it still zeroes the last sub-block,
+        # which vLLM counts as received and leaves holding data)
+        replay = with_implementation(s, "hkvsim")
+        replay = replay.model_copy(update={"connector": replay.connector.model_copy(
+            update={"quirks": ("bsr-prefix-end-trim",)})})
+        bug = run_scenario(replay)
+        assert [r.descriptors for r in bug.records] == [r.descriptors for r in vllm.records]
+        assert [r.nbytes for r in bug.records] == [r.nbytes for r in vllm.records], name
+        assert [r.index for r in bug.records if r.mismatched_words] == [0], name
+        kv = [m for m in shifted.mismatches if "(K/V)," in m]
+        found = bug.records[0].mismatches
+        assert kv and set(kv) <= set(found), (kv[:1], found[:1])
 
 
 @pytest.mark.timeout(300)
