@@ -510,7 +510,7 @@ class Coordinator:
             job = DecodeJob(blocks={}, load={g.group_id: np.zeros(0, np.int64)
                                              for g in decode.layout.groups},
                             hit_blocks=0, prompt_tokens=rec.prompt_tokens,
-                            load_tokens=self._decode_load_tokens(decode, rec.prompt_tokens))
+                            load_tokens=self.dep.decode_load_tokens(rec.prompt_tokens))
             req.enter(Phase.DECODE_FILL)
         else:
             job = yield from self._decode_allocate(req, decode)
@@ -675,7 +675,7 @@ class Coordinator:
         blocks = yield from self._allocate(decode, layout.blocks_for_tokens(rec.prompt_tokens),
                                            rec.index)
         req.enter(Phase.DECODE_FILL)
-        load_tokens = self._decode_load_tokens(decode, rec.prompt_tokens)
+        load_tokens = self.dep.decode_load_tokens(rec.prompt_tokens)
         hit_blocks = min(rec.prefix_hit_tokens, rec.prompt_tokens - 1) // layout.logical_block_size
         hit_tokens = hit_blocks * layout.logical_block_size
         rec.effective_prefix_hit_tokens = hit_tokens
@@ -697,12 +697,6 @@ class Coordinator:
         return DecodeJob(blocks=blocks, load=load, hit_blocks=hit_blocks,
                          prompt_tokens=rec.prompt_tokens, load_tokens=load_tokens,
                          failure=failure)
-
-    @staticmethod
-    def _decode_load_tokens(decode: _Engine, prompt_tokens: int) -> int:
-        """Prompt tokens decode loads rather than computes (§6): N-1 for a model with state
-        (its state cannot take token N twice), N for a model without state."""
-        return prompt_tokens - 1 if decode.layout.is_hybrid else prompt_tokens
 
     # ---- handshakes -------------------------------------------------------------------------
     def _connect(self, local: _Engine, remote: _Engine, rec: RequestRecord) -> Flow:

@@ -96,6 +96,12 @@ class Deployment:
         phantom-token: N for every model)."""
         return prompt - 1 if self.hybrid and "phantom-token" not in self.quirks else prompt
 
+    def decode_load_tokens(self, prompt: int) -> int:
+        """Prompt tokens decode loads rather than computes (§6): N-1 for a model with state
+        (its state cannot take token N twice), N for a model without state, which decode
+        recomputes over the same KV. Quirk phantom-token is prefill's and does not change it."""
+        return prompt - 1 if self.hybrid else prompt
+
     def all_engines(self) -> list[EngineSpec]:
         return [e for role in ("prefill", "decode") for e in self.engines[role]]
 
