@@ -86,3 +86,32 @@ def test_unknown_quirk_names_are_refused_with_the_allowed_ones() -> None:
     assert str(exc.value) == (f"unknown quirk(s) 'no-such-quirk', 'other'; allowed: "
                               f"{', '.join(quirk_names())}")
     assert quirk_names() == sorted(QUIRKS) and "phantom-token" in quirk_names()
+
+
+@pytest.mark.parametrize(("decode_block", "wrong_words"), [
+    # decode block 32 = 2 sub-blocks; the last (tokens 736..767) received 1: latent from
+    # element 32 (word 8) zeroed: token 736 loses 8 words, tokens 752..767 keep 8 stale
+    (32, 4 * (1 * 8 + 16 * 8)),
+    # decode block 64 = 4 sub-blocks; the last (704..767) received 3: from element 48 (word
+    # 12): tokens 704..736 lose 4 words each, tokens 752..767 keep 12 stale
+    (64, 4 * (33 * 4 + 16 * 12)),
+])
+def test_mla_tail_quirk_zeroes_along_the_latent_not_the_tokens(decode_block: int,
+                                                              wrong_words: int) -> None:
+    """vLLM 0.33.0's receive post-process on an MLA cache (docs/vllm.md): what the replay
+    damages, counted from the geometry by hand: tiny-deepseek rows are 64 bf16 latent
+    elements (16 words) per token and layer, 4 layers; 737 tokens send 47 prefill blocks of 16
+    (tokens 0..751), decode checks tokens 0..736 and that 752..767 are zero."""
+    scenario = _catching_scenario("mla-bsr-tail-zero-latent")
+    scenario = scenario.model_copy(update={
+        "decode": scenario.decode.model_copy(update={"tp": 1, "block_size": decode_block})})
+    buggy = run_scenario(_with_quirk(scenario, "mla-bsr-tail-zero-latent"))
+    first, whole = buggy.records
+    assert first.status == "ok" and first.mismatched_words == wrong_words
+    assert whole.mismatched_words == 0  # 768 tokens: whole decode blocks, nothing zeroed
+    received = [m for m in first.mismatches if "(MLA)," in m]
+    tail = [m for m in first.mismatches if "(MLA untransferred tail)" in m]
+    assert len(received) == len(tail) == 4  # every layer
+    assert all(f"tokens {736 if decode_block == 32 else 704}..736:" in m for m in received)
+    assert all("tokens 752..767 (must be zeroed)" in m for m in tail)
+    assert run_scenario(scenario).mismatched_bytes == 0  # the core without the quirk: exact

@@ -78,6 +78,16 @@ QUIRKS: dict[str, Quirk] = {
             "corruption",
         ),
         Quirk(
+            name="mla-bsr-tail-zero-latent",
+            reproduces="vLLM 0.33.0 pull of an MLA cache with a block size ratio: the receive "
+            "post-process zeroes a half-covered last block as cache[block, :, zero_from:], "
+            "written for (blocks, heads, tokens, channels) caches (found by hkvsim diff; "
+            "docs/vllm.md)",
+            symptom="every token of that block loses the second part of its latent vector, "
+            "the received ones included, and the untransferred tokens keep the first part "
+            "stale; success is reported: silent KV corruption",
+        ),
+        Quirk(
             name="notify-with-decode-request-id",
             reproduces="pure-MLA P_TP > D_TP broadcast notifications carry decode's request id "
             "instead of prefill's",

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..geometry.layout import EngineLayout
+from ..geometry.specs import dtype_bytes
 from ..transport.base import DONE, ERR, PROC, Memory, Transport, TransportError, check_pairs
 from ..transport.outer import OuterIds
 from .blocks import (
@@ -831,10 +832,36 @@ class ConnectorWorker:
             return
         assert self.memory is not None
         dl, _ = self._local_list(bsr)
+        received_in_first = int(ids[0] % bsr)  # sub-blocks of ids[0]'s block that were sent
+        if ("mla-bsr-tail-zero-latent" in self.settings.quirks and self.model.is_mla
+                and received_in_first):
+            self._zero_latent_tail(int(ids[0] // bsr), received_in_first, bsr, dl)
+            ids = ids[bsr - received_in_first:]  # the rest are whole blocks: zeroed as usual
         descs = dl.affine.rows(dl.attention_ids(ids))
         for addr, length in zip(descs[:, 0].tolist(), descs[:, 1].tolist()):
             off = int(addr) - self.memory.base_addr
             self.memory.array[off:off + int(length)] = 0
+
+    def _zero_latent_tail(self, kernel_block: int, received: int, bsr: int,
+                          dl: DescriptorList) -> None:
+        """Quirk mla-bsr-tail-zero-latent (vLLM 0.33.0, docs/vllm.md): the half-covered last
+        block's tail zeroed as ``cache[block, :, zero_from:]`` on a cache taken to be (blocks,
+        heads, tokens, channels), so on an MLA cache (blocks, tokens, latent) it zeroes every
+        token's latent from ``received * (latent // bsr)`` elements on: received tokens lose
+        part of their latent, untransferred ones keep the rest stale."""
+        assert self.memory is not None
+        attention = self.model.attention
+        token_bytes = attention.bytes_per_token(self.layout.tp)
+        # the cache's element: uint8 for DeepSeek's packed fp8 rows, else the cache dtype
+        element = 1 if attention.cache_dtype == "fp8_ds_mla" else \
+            dtype_bytes(attention.cache_dtype or attention.dtype)
+        zero_from = received * (token_bytes // element // bsr) * element
+        subs = kernel_block * bsr + np.arange(bsr, dtype=np.int64)
+        descs = dl.affine.rows(dl.attention_ids(subs))
+        for addr, length in zip(descs[:, 0].tolist(), descs[:, 1].tolist()):
+            off = int(addr) - self.memory.base_addr
+            tokens = self.memory.array[off:off + int(length)].reshape(-1, token_bytes)
+            tokens[:, zero_from:] = 0
 
     def remote_info(self, engine: str) -> Sequence[_RemoteRank]:
         return list(self._remotes.get(engine, {}).values())

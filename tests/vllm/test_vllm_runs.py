@@ -294,6 +294,42 @@ def test_mla_with_a_block_size_ratio_damages_a_half_covered_last_block(vllm_requ
             kinds = {m.split("(")[1].split(")")[0] for m in rec.mismatches}
             assert kinds == ({"MLA", "MLA untransferred tail"} if received_damaged
                              else {"MLA untransferred tail"}), (name, rec.mismatches[:2])
+        if received_damaged:
+            # hkvsim's replay (quirk mla-bsr-tail-zero-latent) damages the same words with the
+            # same explanations
+            replay = with_implementation(s, "hkvsim")
+            replay = replay.model_copy(update={"connector": replay.connector.model_copy(
+                update={"quirks": ("mla-bsr-tail-zero-latent",)})})
+            bug = run_scenario(replay)
+            assert [r.mismatched_words for r in bug.records] == [
+                r.mismatched_words for r in vllm.records], name
+            assert [sorted(r.mismatches) for r in bug.records] == [
+                sorted(r.mismatches) for r in vllm.records], name
+
+
+@pytest.mark.timeout(300)
+def test_a_full_prefix_hit_on_a_hybrid_pulls_nothing(vllm_required: str) -> None:
+    """A pull after a decode hit on all N-1 tokens of KimiLinear, ending on a logical block
+    boundary: hkvsim's core and vLLM 0.33.0 read nothing and complete, byte-exact (0
+    differences); vLLM 0.26.0 fails that request loudly at its read planning (docs/vllm.md)."""
+    from hkvsim.implementations.diff import compare_results, with_implementation
+
+    failing = {"0.33.0": [], "0.26.0": [1]}.get(vllm_required)
+    if failing is None:
+        pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+    for s in load_scenarios(ROOT / "scenarios" / "vllm" / "pull-full-prefix-hit-hybrid.toml"):
+        name = s.scenario.name
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        assert core.outcome == "ok" and core.verified and core.mismatched_bytes == 0, name
+        assert core.records[1].transfers == 0 and core.records[1].nbytes == 0, name  # the hit
+        assert core.records[2].nbytes > 0, name  # a hit on 1,280 of 1,399 tokens still reads
+        vllm = run_scenario(s)
+        assert [r.index for r in vllm.records if r.status == "failed"] == failing, name
+        assert vllm.corrupted == 0 and vllm.mismatched_bytes == 0, name
+        for i in failing:
+            assert "SSM can only have one local block" in (vllm.records[i].reason or ""), name
+        assert {d.request for d in compare_results(name, core, vllm)} == (
+            {None, *failing} if failing else set()), name
 
 
 @pytest.mark.timeout(300)
