@@ -14,7 +14,7 @@ import pytest
 from hkvsim.cli import main
 from hkvsim.cluster import run_scenario
 from hkvsim.implementations.vllm.engine import release_workers
-from hkvsim.scenario import load_scenarios
+from hkvsim.scenario import ScenarioError, load_scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ROOT / "scenarios" / "vllm" / "tp-matrix-tiny-deepseek.toml"
@@ -330,6 +330,44 @@ def test_a_full_prefix_hit_on_a_hybrid_pulls_nothing(vllm_required: str) -> None
             assert "SSM can only have one local block" in (vllm.records[i].reason or ""), name
         assert {d.request for d in compare_results(name, core, vllm)} == (
             {None, *failing} if failing else set()), name
+
+
+@pytest.mark.timeout(300)
+def test_cache_dtypes_reach_vllm_as_cache_dtypes(vllm_required: str) -> None:
+    """fp8 and float16 caches (GQA and MLA, pull and push) run byte-exact under vLLM as under
+    hkvsim's core, and a pair whose cache dtypes differ is refused by vLLM's compatibility hash
+    as by hkvsim's: the harness gives vLLM the cache dtype as a cache dtype, not as the model's
+    (an fp8 model dtype failed vLLM's config; a cache dtype vLLM does not see could not enter
+    its hash)."""
+    from hkvsim.implementations.diff import compare_results, with_implementation
+
+    for s in load_scenarios(ROOT / "scenarios" / "vllm" / "cache-dtypes.toml"):
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        vllm = run_scenario(s)
+        assert vllm.outcome == "ok" and vllm.verified and vllm.mismatched_bytes == 0, (
+            s.scenario.name)
+        assert compare_results(s.scenario.name, core, vllm) == [], s.scenario.name
+    for s in load_scenarios(ROOT / "scenarios" / "vllm" / "xfail-cache-dtype-mismatch.toml"):
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        assert core.outcome == "handshake-error", s.scenario.name
+        vllm = run_scenario(s)
+        assert vllm.outcome == "handshake-error" and vllm.corrupted == 0, s.scenario.name
+        assert any("compatibility hash mismatch" in e for e in vllm.handshake_errors), (
+            vllm.handshake_errors)
+
+
+def test_a_packed_deepseek_cache_of_another_geometry_is_refused_for_vllm(
+        vllm_required: str) -> None:
+    from hkvsim.implementations.diff import with_implementation
+
+    (s,) = load_scenarios(ROOT / "scenarios" / "vllm" / "xfail-cache-dtype-mismatch.toml")[2:]
+    s = s.model_copy(update={
+        role: getattr(s, role).model_copy(update={"cache_dtype": "fp8_ds_mla",
+                                                  "attention_backend": "flashmla"})
+        for role in ("prefill", "decode")})
+    assert run_scenario(with_implementation(s, "hkvsim")).outcome == "ok"  # hkvsim's own format
+    with pytest.raises(ScenarioError, match="656-byte row.*tiny-deepseek has 56 and 8"):
+        run_scenario(s)
 
 
 @pytest.mark.timeout(300)

@@ -237,7 +237,7 @@ def _hf_config_dir(model: ModelSpec) -> str:
                "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers,
                "num_attention_heads": 2 * attn.num_kv_heads, "num_key_value_heads":
                attn.num_kv_heads, "head_dim": attn.head_dim, "intermediate_size": 512,
-               "vocab_size": 1024, "max_position_embeddings": 1 << 16, "torch_dtype": attn.dtype}
+               "vocab_size": 1024, "max_position_embeddings": 1 << 16, "torch_dtype": _model_dtype(attn)}
         return _write_config(cfg)
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
            "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers,
@@ -246,7 +246,7 @@ def _hf_config_dir(model: ModelSpec) -> str:
            "q_lora_rank": None, "intermediate_size": 512, "moe_intermediate_size": 64,
            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
            "first_k_dense_replace": model.num_layers, "vocab_size": 1024,
-           "max_position_embeddings": 1 << 16, "torch_dtype": attn.dtype, "n_group": 1,
+           "max_position_embeddings": 1 << 16, "torch_dtype": _model_dtype(attn), "n_group": 1,
            "topk_group": 1}
     return _write_config(cfg)
 
@@ -303,7 +303,27 @@ def _torch_dtype(name: str) -> Any:
     import torch
 
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-            "fp8": torch.uint8, "fp8_e4m3": torch.uint8}[name]
+            "fp8": torch.uint8, "fp8_e4m3": torch.uint8, "fp8_ds_mla": torch.uint8}[name]
+
+
+def _cache_dtype_of(attn: Any) -> str:
+    """hkvsim's cache dtype of an attention spec (a GQA spec keeps it as its dtype)."""
+    if isinstance(attn, MLAAttentionSpec):
+        return attn.cache_dtype or attn.dtype
+    return attn.dtype
+
+
+def _model_dtype(attn: Any) -> str:
+    """The dtype of vLLM's ModelConfig: the cache's when it is a 16-bit float (vLLM's
+    ``cache_dtype = "auto"`` then follows it), else (fp8 caches) bfloat16."""
+    cache = _cache_dtype_of(attn)
+    return cache if cache in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
+def _cache_dtype(attn: Any) -> str:
+    """vLLM's ``cache_dtype``: "auto" (the model's dtype), "fp8" or "fp8_ds_mla"."""
+    cache = _cache_dtype_of(attn)
+    return cache if cache in ("fp8", "fp8_ds_mla") else "auto"
 
 
 class VllmRank:
@@ -470,9 +490,10 @@ class VllmHarness:
 
         layout = rank.layout
         attn = layout.model.attention
-        model = ModelConfig(model=_hf_config_dir(layout.model), dtype=attn.dtype, seed=0,
-                            skip_tokenizer_init=True, max_model_len=1 << 14)
-        cache = CacheConfig(block_size=layout.logical_block_size, enable_prefix_caching=False)
+        model = ModelConfig(model=_hf_config_dir(layout.model), dtype=_model_dtype(attn),
+                            seed=0, skip_tokenizer_init=True, max_model_len=1 << 14)
+        cache = CacheConfig(block_size=layout.logical_block_size, enable_prefix_caching=False,
+                            cache_dtype=_cache_dtype(attn))
         # per layer: (blocks, heads, tokens, K|V) for HND, (blocks, tokens, heads, K|V) for NHD
         cache.kv_cache_layout = vllm_layout_name(layout, self.version)
         kv = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both",
@@ -509,7 +530,7 @@ class VllmHarness:
 
         layout = rank.layout
         attn = layout.model.attention
-        dtype = _torch_dtype(attn.dtype)
+        dtype = _torch_dtype(_cache_dtype_of(attn))
         if isinstance(attn, MLAAttentionSpec):
             spec = VllmMLASpec(block_size=layout.logical_block_size, num_kv_heads=1,
                                head_size=attn.kv_lora_rank + attn.rope_dim, dtype=dtype,

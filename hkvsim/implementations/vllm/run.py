@@ -39,6 +39,16 @@ def vllm_worker_factory(dep: Deployment, *, now: Callable[[], float], moves_byte
                 why = (f"engine {spec.engine_id}: the logical block must equal the kernel block "
                        f"({spec.layout.kernel_block_size} tokens) with vLLM's connector today")
                 break
+    if why is None:
+        for spec in dep.all_engines():
+            attn = spec.layout.model.attention
+            if getattr(attn, "cache_dtype", None) == "fp8_ds_mla" and (
+                    attn.kv_lora_rank, attn.rope_dim) != (512, 64):
+                why = (f"engine {spec.engine_id}: vLLM's fp8_ds_mla cache is DeepSeek's 656-byte "
+                       f"row (kv_lora_rank 512, rope 64); {spec.layout.model.name} has "
+                       f"{attn.kv_lora_rank} and {attn.rope_dim}: use cache_dtype fp8 or the "
+                       "model's dtype")
+                break
     if why is None and dep.quirks:
         why = "quirks replay hkvsim's model of old connector bugs; they do not apply to vLLM"
     if why is not None:
