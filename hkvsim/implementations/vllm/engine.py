@@ -237,7 +237,8 @@ def _hf_config_dir(model: ModelSpec) -> str:
                "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers,
                "num_attention_heads": 2 * attn.num_kv_heads, "num_key_value_heads":
                attn.num_kv_heads, "head_dim": attn.head_dim, "intermediate_size": 512,
-               "vocab_size": 1024, "max_position_embeddings": 1 << 16, "torch_dtype": _model_dtype(attn)}
+               "vocab_size": 1024, "max_position_embeddings": 1 << 16,
+               "torch_dtype": _model_dtype(attn)}
         return _write_config(cfg)
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
            "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers,
