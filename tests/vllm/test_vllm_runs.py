@@ -371,6 +371,32 @@ def test_a_packed_deepseek_cache_of_another_geometry_is_refused_for_vllm(
 
 
 @pytest.mark.timeout(300)
+def test_a_failed_read_of_a_hybrid_is_reported_as_loaded_by_vllm(vllm_required: str) -> None:
+    """A vLLM finding (docs/vllm.md): request 1's READ ends in ERR. For a hybrid model vLLM
+    (0.26.0 and 0.33.0) logs the failure but records no load errors for models that need its
+    hybrid memory allocator, so the request counts as loaded and its blocks hold no KV or state;
+    hkvsim's core fails it as transfer_failed. The harness reports what vLLM says."""
+    from hkvsim.implementations.diff import with_implementation
+
+    if vllm_required not in ("0.33.0", "0.26.0"):
+        pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+    path = ROOT / "scenarios" / "vllm" / "finding-hybrid-failed-transfer.toml"
+    for s in load_scenarios(path):
+        name = s.scenario.name
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        assert [r.status for r in core.records] == ["ok", "failed", "ok"], name
+        assert core.records[1].failure_class == "transfer_failed", name
+        assert core.mismatched_bytes == 0, name
+        vllm = run_scenario(s)
+        assert [r.status for r in vllm.records] == ["ok"] * 3, name  # success reported
+        assert [r.index for r in vllm.records if r.mismatched_words] == [1], name
+        assert vllm.outcome == "corruption" and vllm.corrupted == 1, name
+        # what decode holds is zeros or request 0's leftovers, never request 1's bytes
+        got = [m.split("got the bytes of ")[1] for m in vllm.records[1].mismatches]
+        assert got and all(g.startswith(("zeros", "request#0")) for g in got), got[:2]
+
+
+@pytest.mark.timeout(300)
 def test_push_with_a_block_size_ratio_is_refused_by_vllm(vllm_required: str) -> None:
     """vLLM's push refuses a decode block larger than prefill's at the reverse handshake (an
     assert in its block-size-ratio helper), loudly; hkvsim's core writes the sub-blocks."""
