@@ -115,3 +115,14 @@ def test_mla_tail_quirk_zeroes_along_the_latent_not_the_tokens(decode_block: int
     assert all(f"tokens {736 if decode_block == 32 else 704}..736:" in m for m in received)
     assert all("tokens 752..767 (must be zeroed)" in m for m in tail)
     assert run_scenario(scenario).mismatched_bytes == 0  # the core without the quirk: exact
+
+
+def test_failed_read_quirk_applies_to_hybrids_only() -> None:
+    """vLLM records load errors for models without its hybrid memory allocator (a failed READ
+    of tiny-deepseek fails its request under vLLM too): the replay must not hide those."""
+    scenario = _catching_scenario("hybrid-failed-read-reported-loaded")
+    scenario = scenario.model_copy(update={"model": scenario.model.model_copy(
+        update={"preset": "tiny-deepseek"})})
+    buggy = run_scenario(_with_quirk(scenario, "hybrid-failed-read-reported-loaded"))
+    assert [r.status for r in buggy.records] == ["ok", "failed", "ok"]
+    assert buggy.records[1].failure_class == "transfer_failed" and buggy.mismatched_bytes == 0

@@ -88,6 +88,14 @@ QUIRKS: dict[str, Quirk] = {
             "stale; success is reported: silent KV corruption",
         ),
         Quirk(
+            name="hybrid-failed-read-reported-loaded",
+            reproduces="vLLM 0.26.0-0.33.0 pull of a hybrid model (hybrid memory allocator): a "
+            "READ that ends in ERR is logged but its blocks are not recorded as load errors (a "
+            "TODO in vLLM's receive path; found by hkvsim diff; docs/vllm.md)",
+            symptom="the request counts as loaded and decode's blocks hold zeros or an earlier "
+            "request's KV and state: silent corruption, whatever the failure policy",
+        ),
+        Quirk(
             name="notify-with-decode-request-id",
             reproduces="pure-MLA P_TP > D_TP broadcast notifications carry decode's request id "
             "instead of prefill's",

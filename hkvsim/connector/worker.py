@@ -179,6 +179,10 @@ class ConnectorWorker:
         self.tp_rank = tp_rank
         self.layout = layout
         self.model = layout.model
+        # quirk hybrid-failed-read-reported-loaded (vLLM 0.26.0-0.33.0): a hybrid's failed READ
+        # counts as a completed load (decode's blocks then hold whatever they held)
+        self._reports_failed_reads_as_loaded = (
+            "hybrid-failed-read-reported-loaded" in settings.quirks and self.model.is_hybrid)
         self.transport = transport
         self.settings = settings
         self.device_id = device_id
@@ -745,7 +749,9 @@ class ConnectorWorker:
                     flight.outcome.reason = str(exc)
                     flight.outcome.failure_class = "transfer_exception"
                     states.append(ERR)
-            if any(s == ERR for s in states):
+            if any(s == ERR for s in states) and self._reports_failed_reads_as_loaded:
+                finished.append(self._finish(rid))  # quirk hybrid-failed-read-reported-loaded
+            elif any(s == ERR for s in states):
                 if flight.outcome.reason is None:
                     failure = getattr(self.transport, "xfer_failure", lambda h: None)
                     errs = [failure(h) for h, s in zip(flight.handles, states) if s == ERR]

@@ -394,6 +394,16 @@ def test_a_failed_read_of_a_hybrid_is_reported_as_loaded_by_vllm(vllm_required: 
         # what decode holds is zeros or request 0's leftovers, never request 1's bytes
         got = [m.split("got the bytes of ")[1] for m in vllm.records[1].mismatches]
         assert got and all(g.startswith(("zeros", "request#0")) for g in got), got[:2]
+        # hkvsim's replay (quirk hybrid-failed-read-reported-loaded) leaves the same words wrong
+        replay = with_implementation(s, "hkvsim")
+        replay = replay.model_copy(update={"connector": replay.connector.model_copy(
+            update={"quirks": ("hybrid-failed-read-reported-loaded",)})})
+        bug = run_scenario(replay)
+        assert [r.status for r in bug.records] == ["ok"] * 3, name
+        assert [r.mismatched_words for r in bug.records] == [
+            r.mismatched_words for r in vllm.records], name
+        assert [sorted(r.mismatches) for r in bug.records] == [
+            sorted(r.mismatches) for r in vllm.records], name
 
 
 @pytest.mark.timeout(300)
