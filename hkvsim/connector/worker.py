@@ -749,7 +749,7 @@ class ConnectorWorker:
                     flight.outcome.reason = str(exc)
                     flight.outcome.failure_class = "transfer_exception"
                     states.append(ERR)
-            if any(s == ERR for s in states) and self._reports_failed_reads_as_loaded:
+            if self._reports_failed_reads_as_loaded and any(s == ERR for s in states):
                 finished.append(self._finish(rid))  # quirk hybrid-failed-read-reported-loaded
             elif any(s == ERR for s in states):
                 if flight.outcome.reason is None:
