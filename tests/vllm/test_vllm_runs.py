@@ -407,6 +407,34 @@ def test_a_failed_read_of_a_hybrid_is_reported_as_loaded_by_vllm(vllm_required: 
 
 
 @pytest.mark.timeout(300)
+def test_a_failed_write_fails_its_push_request(vllm_required: str) -> None:
+    """Push, request 1's WRITE ends in ERR. 0.33.0 counts it failed once its WRITEs ended (and
+    empties its own record of that in the same call): the harness sees it through vLLM's checks
+    of its WRITEs, so the request fails as in hkvsim's core instead of the run hanging. 0.26.0
+    never reports it (hkvsim's watchdog fails it as a stall), and its next poll on that prefill
+    rank trips an assert that fails the next request (docs/vllm.md)."""
+    from hkvsim.implementations.diff import compare_results, with_implementation
+
+    expected = {"0.33.0": (["ok", "failed", "ok"], "transfer_failed"),
+                "0.26.0": (["ok", "failed", "failed"], "stall")}.get(vllm_required)
+    if expected is None:
+        pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+    statuses, failure = expected
+    for s in load_scenarios(ROOT / "scenarios" / "vllm" / "fail-write-push.toml"):
+        name = s.scenario.name
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        assert [r.status for r in core.records] == ["ok", "failed", "ok"], name
+        vllm = run_scenario(s)
+        assert vllm.hung == 0 and vllm.mismatched_bytes == 0, name
+        assert [r.status for r in vllm.records] == statuses, name
+        assert vllm.records[1].failure_class == failure, name
+        if vllm_required == "0.33.0":
+            assert compare_results(name, core, vllm) == [], name
+        else:
+            assert "not found in recving_metadata" in (vllm.records[2].reason or ""), name
+
+
+@pytest.mark.timeout(300)
 def test_push_with_a_block_size_ratio_is_refused_by_vllm(vllm_required: str) -> None:
     """vLLM's push refuses a decode block larger than prefill's at the reverse handshake (an
     assert in its block-size-ratio helper), loudly; hkvsim's core writes the sub-blocks."""

@@ -161,6 +161,7 @@ class TransportNixlAgent:
         self._created: list[int] = []  # transfer handles, in creation order
         self._telemetry: dict[int, XferTelemetry] = {}  # kept when a handle is released
         self._post_errors: dict[int, tuple[str, str]] = {}  # handle -> (class, message)
+        self._ended: dict[int, str] = {}  # handle -> DONE / ERR, as vLLM last saw it
         self._held: dict[str, list[bytes]] = {}  # notifications peeked, not yet read by vLLM
         # when set, get_new_notifs returns only what peek_notifs took: with a real transport a
         # notification can arrive between the peek and vLLM's read, and must not reach vLLM
@@ -340,7 +341,14 @@ class TransportNixlAgent:
 
     def check_xfer_state(self, handle: int) -> str:
         self._count("check_xfer_state")
-        return self._call(self.transport.check_xfer_state, handle)
+        state = self._call(self.transport.check_xfer_state, handle)
+        if state in ("DONE", "ERR"):
+            self._ended[handle] = state
+        return state
+
+    def ended_as(self, handle: int) -> str | None:
+        """"DONE" or "ERR" once vLLM's check of this transfer saw it end, else None."""
+        return self._ended.get(handle)
 
     def release_xfer_handle(self, handle: int) -> None:
         self._count("release_xfer_handle")

@@ -185,7 +185,14 @@ class VllmConnectorWorker:
             failure = vllm_failure(exc)
             return [self._end(rid, failure=failure) for rid in list(self._in_flight)]
         if self.push:  # prefill: vLLM lists a request done sending once its WRITEs completed
+            # and counts it failed (not done) once they all ended and one ended in ERR, as its
+            # checks saw them (its own record of the failure, _send_failures, is emptied in the
+            # same call that fills it once the last WRITE ended)
+            agent = self.vllm.agent
             failed = set(getattr(self.vllm.worker, "_send_failures", ()))
+            failed |= {rid for rid, f in self._in_flight.items() if f.handles
+                       and all(agent.ended_as(h) for h in f.handles)
+                       and any(agent.ended_as(h) == "ERR" for h in f.handles)}
             out = [self._end(rid) for rid in sorted(set(sending or ()) & set(self._in_flight))]
             out += [self._end(rid, failure=VllmFailure(
                         where="push WRITE", what="vLLM recorded the request's WRITE as failed",
