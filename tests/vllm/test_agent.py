@@ -112,3 +112,25 @@ def test_gated_notifications_reach_vllm_only_after_they_were_peeked():
     assert b.get_new_notifs() == {}
     assert b.peek_notifs() == {"t-a": [b"req-2:1"]}
     assert b.get_new_notifs() == {"t-a": [b"req-2:1"]}
+
+
+def test_how_vllm_saw_a_transfer_end_is_kept_until_its_handle_is_made_again(monkeypatch):
+    # the harness learns a failed push WRITE from vLLM's own checks (vLLM forgets it in the call
+    # that records it): kept after vLLM releases the handle, dropped when a transport hands the
+    # same handle number to a new transfer
+    env, a, b, ma, mb = _pair()
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[host_address(ma), 256, 0]]),
+                              mem_type="DRAM")
+    remote = a.prep_xfer_dlist("t-b", np.array([[host_address(mb), 256, 0]]), mem_type="DRAM")
+    x = a.make_prepped_xfer("READ", local, [0], remote, [0])
+    assert a.transfer(x) == "PROC" and a.ended_as(x) is None
+    assert a.check_xfer_state(x) == "PROC" and a.ended_as(x) is None
+    env.run()
+    assert a.check_xfer_state(x) == "DONE" and a.ended_as(x) == "DONE"
+    a.release_xfer_handle(x)
+    assert a.ended_as(x) == "DONE"
+    monkeypatch.setattr(a.transport, "make_prepped_xfer", lambda *args: x)
+    assert a.make_prepped_xfer("READ", local, [0], remote, [0]) == x
+    assert a.ended_as(x) is None

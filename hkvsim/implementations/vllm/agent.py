@@ -305,6 +305,7 @@ class TransportNixlAgent:
                           _indices(local_indices), remote_xfer_side,
                           _indices(remote_indices), _message(notif_msg))
         self._created.append(handle)
+        self._ended.pop(handle, None)  # a handle number made again starts a new transfer
         return handle
 
     def created_handles(self) -> list[int]:
