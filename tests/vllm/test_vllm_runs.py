@@ -91,6 +91,23 @@ def test_a_misrouted_block_is_caught_by_the_oracle(vllm_required: str, tmp_path:
     assert result.corrupted == 2 and result.verified
 
 
+def _core_replaying(s, quirk: str):
+    """The scenario run by hkvsim's core with one quirk (a replay of a vLLM bug) switched on."""
+    from hkvsim.implementations.diff import with_implementation
+
+    core = with_implementation(s, "hkvsim")
+    return run_scenario(core.model_copy(update={"connector": core.connector.model_copy(
+        update={"quirks": (quirk,)})}))
+
+
+def _assert_same_damage(bug, vllm, name: str) -> None:
+    """Per request, the same number of wrong words with the same explanations."""
+    assert [r.mismatched_words for r in bug.records] == [
+        r.mismatched_words for r in vllm.records], name
+    assert [sorted(r.mismatches) for r in bug.records] == [
+        sorted(r.mismatches) for r in vllm.records], name
+
+
 def _handshaken_tiny_deepseek_pair():
     """(simpy env, VllmHarness) with one tiny-deepseek prefill and one decode rank of vLLM's
     worker on the simulated fabric, prefill's handshake payload delivered to the harness."""
@@ -255,10 +272,7 @@ def test_a_prefix_hit_with_a_block_size_ratio_is_shifted_by_vllm(vllm_required: 
         # hkvsim's replay of the bug (quirk bsr-prefix-end-trim) moves the same descriptors and
         # puts the same wrong K/V bytes where vLLM does (it still zeroes the last sub-block,
         # which vLLM counts as received and leaves holding data)
-        replay = with_implementation(s, "hkvsim")
-        replay = replay.model_copy(update={"connector": replay.connector.model_copy(
-            update={"quirks": ("bsr-prefix-end-trim",)})})
-        bug = run_scenario(replay)
+        bug = _core_replaying(s, "bsr-prefix-end-trim")
         assert [r.descriptors for r in bug.records] == [r.descriptors for r in vllm.records]
         assert [r.nbytes for r in bug.records] == [r.nbytes for r in vllm.records], name
         assert [r.index for r in bug.records if r.mismatched_words] == [0], name
@@ -297,14 +311,7 @@ def test_mla_with_a_block_size_ratio_damages_a_half_covered_last_block(vllm_requ
         if received_damaged:
             # hkvsim's replay (quirk mla-bsr-tail-zero-latent) damages the same words with the
             # same explanations
-            replay = with_implementation(s, "hkvsim")
-            replay = replay.model_copy(update={"connector": replay.connector.model_copy(
-                update={"quirks": ("mla-bsr-tail-zero-latent",)})})
-            bug = run_scenario(replay)
-            assert [r.mismatched_words for r in bug.records] == [
-                r.mismatched_words for r in vllm.records], name
-            assert [sorted(r.mismatches) for r in bug.records] == [
-                sorted(r.mismatches) for r in vllm.records], name
+            _assert_same_damage(_core_replaying(s, "mla-bsr-tail-zero-latent"), vllm, name)
 
 
 @pytest.mark.timeout(300)
@@ -395,15 +402,9 @@ def test_a_failed_read_of_a_hybrid_is_reported_as_loaded_by_vllm(vllm_required: 
         got = [m.split("got the bytes of ")[1] for m in vllm.records[1].mismatches]
         assert got and all(g.startswith(("zeros", "request#0")) for g in got), got[:2]
         # hkvsim's replay (quirk hybrid-failed-read-reported-loaded) leaves the same words wrong
-        replay = with_implementation(s, "hkvsim")
-        replay = replay.model_copy(update={"connector": replay.connector.model_copy(
-            update={"quirks": ("hybrid-failed-read-reported-loaded",)})})
-        bug = run_scenario(replay)
+        bug = _core_replaying(s, "hybrid-failed-read-reported-loaded")
         assert [r.status for r in bug.records] == ["ok"] * 3, name
-        assert [r.mismatched_words for r in bug.records] == [
-            r.mismatched_words for r in vllm.records], name
-        assert [sorted(r.mismatches) for r in bug.records] == [
-            sorted(r.mismatches) for r in vllm.records], name
+        _assert_same_damage(bug, vllm, name)
 
 
 @pytest.mark.timeout(300)
