@@ -3,7 +3,8 @@ it; the simulated transport has the same hooks built in, in simulated time).
 
 Supported kinds: ``fail-transfer`` (phase completion / setup / poll), ``stall-transfer`` and
 ``drop-notification``. A failing or stalled transfer loses its completion notification, as on
-the simulator: the peer then frees by lease. A transfer whose poll raises (``phase = "poll"``)
+the simulator: the peer then frees by lease. A failing transfer (phase completion) is posted,
+so on a real backend its bytes move and only its state reads ERR; the simulator moves none. A transfer whose poll raises (``phase = "poll"``)
 moved its data, so its peer is told, but only once the sender has raised and reported it: the
 notification waits until the rank calls :meth:`FaultInjectingTransport.send_withheld` after
 sending what its poll found to the coordinator (hkvsim/backends/rank.py). Attached to the

@@ -72,10 +72,12 @@ def _won_the_race(scenario, sim: dict, real: dict) -> bool:
                          "failure_classes": [None] * len(sim["failure_classes"])})
 
 
-def _compare(scenarios, tmp_path: Path, *, expectations: bool = False) -> None:
-    """Each scenario on both backends, the same summary on both. With ``expectations`` every
-    real run must also meet its file's [expect], with no hung and no corrupted request (the
-    fault matrix on NIXL, issue #6: checked on these runs rather than on a second set)."""
+def _compare(scenarios, tmp_path: Path, *, expectations: bool = False,
+             ignore: tuple[str, ...] = ()) -> None:
+    """Each scenario on both backends, the same summary on both (less the ``ignore`` keys).
+    With ``expectations`` every real run must also meet its file's [expect], with no hung and
+    no corrupted request (the fault matrix on NIXL, issue #6: checked on these runs rather than
+    on a second set)."""
     for i, scenario in enumerate(scenarios):
         try:
             sim = _summary(run_scenario(scenario))
@@ -90,7 +92,8 @@ def _compare(scenarios, tmp_path: Path, *, expectations: bool = False) -> None:
             real = {"rank setup refused": _transport_reason(str(exc))}
         except NixlRunError as exc:
             pytest.fail(f"{scenario.where}: the nixl backend could not run it: {exc}")
-        want, got = sim, real
+        want = {k: v for k, v in sim.items() if k not in ignore}
+        got = {k: v for k, v in real.items() if k not in ignore}
         if _won_the_race(scenario, sim, real):
             continue
         assert got == want, (f"{scenario.where}: the backends disagree\n  sim:  {want}\n"
@@ -109,7 +112,12 @@ def test_quirks_agree(nixl_required, tmp_path, quirk: str) -> None:
     quirk_dir = ROOT / "scenarios" / "quirks"
     (path,) = [p for p in (quirk_dir / f"{quirk}.toml", quirk_dir / f"xfail-{quirk}.toml")
                if p.exists()]
-    _compare([_with_quirk(s, quirk) for s in load_scenarios(path)], tmp_path)
+    # An injected completion failure moves no bytes on the simulator, while on real NIXL the
+    # copy runs and the fault wrapper reports ERR (hkvsim/transport/faulty.py). Counted as
+    # loaded by this quirk, the request is corrupted on one backend and intact on the other
+    # (and the run's outcome follows); what the quirk decides, every request ok, must agree.
+    ignore = ("outcome", "corrupted") if quirk == "hybrid-failed-read-reported-loaded" else ()
+    _compare([_with_quirk(s, quirk) for s in load_scenarios(path)], tmp_path, ignore=ignore)
 
 
 @pytest.mark.timeout(300)
