@@ -843,10 +843,16 @@ class ConnectorWorker:
                 and received_in_first):
             self._zero_latent_tail(int(ids[0] // bsr), received_in_first, bsr, dl)
             ids = ids[bsr - received_in_first:]  # the rest are whole blocks: zeroed as usual
+        for row in self._attention_rows(dl, ids):
+            row[:] = 0
+
+    def _attention_rows(self, dl: DescriptorList, ids: np.ndarray) -> Iterable[np.ndarray]:
+        """Views of this rank's memory under the local list's attention rows of ``ids``."""
+        assert self.memory is not None
         descs = dl.affine.rows(dl.attention_ids(ids))
         for addr, length in zip(descs[:, 0].tolist(), descs[:, 1].tolist()):
             off = int(addr) - self.memory.base_addr
-            self.memory.array[off:off + int(length)] = 0
+            yield self.memory.array[off:off + int(length)]
 
     def _zero_latent_tail(self, kernel_block: int, received: int, bsr: int,
                           dl: DescriptorList) -> None:
@@ -855,19 +861,15 @@ class ConnectorWorker:
         heads, tokens, channels), so on an MLA cache (blocks, tokens, latent) it zeroes every
         token's latent from ``received * (latent // bsr)`` elements on: received tokens lose
         part of their latent, untransferred ones keep the rest stale."""
-        assert self.memory is not None
         attention = self.model.attention
         token_bytes = attention.bytes_per_token(self.layout.tp)
         # the cache's element: uint8 for DeepSeek's packed fp8 rows, else the cache dtype
-        element = 1 if attention.cache_dtype == "fp8_ds_mla" else \
-            dtype_bytes(attention.cache_dtype or attention.dtype)
+        stored = attention.stored_dtype
+        element = 1 if stored == "fp8_ds_mla" else dtype_bytes(stored)
         zero_from = received * (token_bytes // element // bsr) * element
         subs = kernel_block * bsr + np.arange(bsr, dtype=np.int64)
-        descs = dl.affine.rows(dl.attention_ids(subs))
-        for addr, length in zip(descs[:, 0].tolist(), descs[:, 1].tolist()):
-            off = int(addr) - self.memory.base_addr
-            tokens = self.memory.array[off:off + int(length)].reshape(-1, token_bytes)
-            tokens[:, zero_from:] = 0
+        for row in self._attention_rows(dl, subs):
+            row.reshape(-1, token_bytes)[:, zero_from:] = 0
 
     def remote_info(self, engine: str) -> Sequence[_RemoteRank]:
         return list(self._remotes.get(engine, {}).values())

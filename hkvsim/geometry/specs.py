@@ -164,12 +164,17 @@ class MLAAttentionSpec:
         _check_tp(tp)
         return 1
 
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype the cache holds: ``cache_dtype``, else the model's."""
+        return self.cache_dtype or self.dtype
+
     def bytes_per_token(self, tp: int = 1) -> int:
         """Bytes per token per layer on one rank (TP-independent: replicated)."""
         _check_tp(tp)
-        if self.cache_dtype == "fp8_ds_mla":
+        if self.stored_dtype == "fp8_ds_mla":
             return self.kv_lora_rank * 1 + 4 * 4 + self.rope_dim * 2
-        return (self.kv_lora_rank + self.rope_dim) * dtype_bytes(self.cache_dtype or self.dtype)
+        return (self.kv_lora_rank + self.rope_dim) * dtype_bytes(self.stored_dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,6 +201,11 @@ class GQAAttentionSpec:
     @property
     def attention_backend(self) -> AttentionBackend:
         return _backend(self.backend, mla=False)
+
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype the cache holds (a GQA engine's cache dtype is its ``dtype``)."""
+        return self.dtype
 
     def heads_per_rank(self, tp: int) -> int:
         _check_tp(tp)

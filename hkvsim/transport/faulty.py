@@ -2,16 +2,17 @@
 it; the simulated transport has the same hooks built in, in simulated time).
 
 Supported kinds: ``fail-transfer`` (phase completion / setup / poll), ``stall-transfer`` and
-``drop-notification``. A failing or stalled transfer loses its completion notification, as on
-the simulator: the peer then frees by lease. A failing transfer (phase completion) is posted,
-so on a real backend its bytes move and only its state reads ERR; the simulator moves none. A transfer whose poll raises (``phase = "poll"``)
-moved its data, so its peer is told, but only once the sender has raised and reported it: the
-notification waits until the rank calls :meth:`FaultInjectingTransport.send_withheld` after
-sending what its poll found to the coordinator (hkvsim/backends/rank.py). Attached to the
-transfer, or sent as the poll raised, it raced the sender's failure to the coordinator (a push
-request then completed on decode or failed, by scheduling), while on the simulator the failure
-always comes first. The decision for a transfer is taken when it is created (its notification names
-the request), from the scenario's seeded FaultPlan.
+``drop-notification``. A failing or stalled transfer loses its completion notification, as on the
+simulator: the peer then frees by lease. A failing transfer (phase completion) is posted, so on a
+real backend its bytes move and only its state reads ERR; the simulator moves none. A transfer
+whose poll raises (``phase = "poll"``) moved its data, so its peer is told, but only once the
+sender has raised and reported it: the notification waits until the rank calls
+:meth:`FaultInjectingTransport.send_withheld` after sending what its poll found to the coordinator
+(hkvsim/backends/rank.py). Attached to the transfer, or sent as the poll raised, it raced the
+sender's failure to the coordinator (a push request then completed on decode or failed, by
+scheduling), while on the simulator the failure always comes first. The decision for a transfer is
+taken when it is created (its notification names the request), from the scenario's seeded
+FaultPlan.
 """
 
 from __future__ import annotations

@@ -307,23 +307,16 @@ def _torch_dtype(name: str) -> Any:
             "fp8": torch.uint8, "fp8_e4m3": torch.uint8, "fp8_ds_mla": torch.uint8}[name]
 
 
-def _cache_dtype_of(attn: Any) -> str:
-    """hkvsim's cache dtype of an attention spec (a GQA spec keeps it as its dtype)."""
-    if isinstance(attn, MLAAttentionSpec):
-        return attn.cache_dtype or attn.dtype
-    return attn.dtype
-
-
 def _model_dtype(attn: Any) -> str:
     """The dtype of vLLM's ModelConfig: the cache's when it is a 16-bit float (vLLM's
     ``cache_dtype = "auto"`` then follows it), else (fp8 caches) bfloat16."""
-    cache = _cache_dtype_of(attn)
+    cache = attn.stored_dtype
     return cache if cache in ("bfloat16", "float16", "float32") else "bfloat16"
 
 
 def _cache_dtype(attn: Any) -> str:
     """vLLM's ``cache_dtype``: "auto" (the model's dtype), "fp8" or "fp8_ds_mla"."""
-    cache = _cache_dtype_of(attn)
+    cache = attn.stored_dtype
     return cache if cache in ("fp8", "fp8_ds_mla") else "auto"
 
 
@@ -359,7 +352,7 @@ class VllmRank:
         layout = self.layout
         attn = layout.model.attention
         mla = isinstance(attn, MLAAttentionSpec)
-        dtype = _torch_dtype(attn.cache_dtype or attn.dtype if mla else attn.dtype)
+        dtype = _torch_dtype(attn.stored_dtype)
         caches = {}
         state_layers = set(layout.model.state_layers)
         for region in layout.regions:
@@ -531,7 +524,7 @@ class VllmHarness:
 
         layout = rank.layout
         attn = layout.model.attention
-        dtype = _torch_dtype(_cache_dtype_of(attn))
+        dtype = _torch_dtype(attn.stored_dtype)
         if isinstance(attn, MLAAttentionSpec):
             spec = VllmMLASpec(block_size=layout.logical_block_size, num_kv_heads=1,
                                head_size=attn.kv_lora_rank + attn.rope_dim, dtype=dtype,

@@ -42,7 +42,7 @@ def vllm_worker_factory(dep: Deployment, *, now: Callable[[], float], moves_byte
     if why is None:
         for spec in dep.all_engines():
             attn = spec.layout.model.attention
-            if getattr(attn, "cache_dtype", None) == "fp8_ds_mla" and (
+            if attn.stored_dtype == "fp8_ds_mla" and (
                     attn.kv_lora_rank, attn.rope_dim) != (512, 64):
                 why = (f"engine {spec.engine_id}: vLLM's fp8_ds_mla cache is DeepSeek's 656-byte "
                        f"row (kv_lora_rank 512, rope 64); {spec.layout.model.name} has "
