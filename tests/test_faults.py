@@ -316,3 +316,36 @@ def test_a_push_registration_needs_a_decode_tp_and_no_negative_hit(decode_tp: in
                                decode_tp=decode_tp, prefill_engine="prefill0",
                                blocks={0: np.arange(3)}, hit_blocks=hit_blocks).encode()
     assert (PushRegistration.decode(message) is not None) is ok
+
+
+@pytest.mark.parametrize("implementation,mode,phase,warned", [
+    ("vllm", "push", "before-scheduling", True), ("vllm", "push", "during-handshake", True),
+    ("vllm", "push", "mid-transfer", False), ("vllm", "pull", "before-scheduling", False),
+    ("hkvsim", "push", "before-scheduling", False)])
+def test_an_abort_vllms_push_path_does_not_drive_is_said_in_the_warnings(
+        implementation: str, mode: str, phase: str, warned: bool) -> None:
+    # decode aborting before scheduling or during the handshake in vLLM's push has its own path
+    # (a decode-side empty receive) that the harness does not drive: prefill frees by lease,
+    # which must not be read as vLLM's behaviour (docs/vllm.md)
+    from hkvsim.pd.coordinator import undriven_abort_warnings
+
+    (scenario,) = parse_scenarios(f"""
+[scenario]
+name = "a"
+[model]
+preset = "tiny-llama"
+[connector]
+implementation = "{implementation}"
+mode = "{mode}"
+[workload]
+requests = 2
+prompt_tokens = 100
+[[faults]]
+kind = "abort-request"
+request = 0
+phase = "{phase}"
+""")
+    found = undriven_abort_warnings(scenario)
+    assert len(found) == warned
+    if warned:
+        assert phase.replace("-", " ") in found[0] and "lease" in found[0]

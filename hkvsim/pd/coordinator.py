@@ -387,8 +387,9 @@ class Coordinator:
 
     def warnings(self) -> list[str]:
         """What the run did differently from what the scenario asked (logged once each)."""
-        return hit_rounding_warnings(self.scenario, self.records,
-                                     self.dep.engines["decode"][0].layout)
+        return (hit_rounding_warnings(self.scenario, self.records,
+                                      self.dep.engines["decode"][0].layout)
+                + undriven_abort_warnings(self.scenario))
 
     def makespan(self) -> float:
         """Time of the last request event (timers of a finished run are not part of it)."""
@@ -1259,3 +1260,21 @@ class Coordinator:
             return handshake_targets(local_tp, remote_tp, rank)
         except (TPError, ValueError):
             return (0,)
+
+
+def undriven_abort_warnings(scenario: Any) -> list[str]:
+    """vLLM's push, decode aborting before scheduling or during the handshake: vLLM's own path
+    (a decode-side empty receive whose notification frees prefill) is not driven; prefill's
+    blocks go by its lease instead. Said in the run's warnings, not left to be read as vLLM's."""
+    connector = scenario.connector
+    if connector.implementation != "vllm" or connector.mode != "push":
+        return []
+    phases = sorted({f.phase for f in scenario.faults if f.kind == "abort-request"
+                     and f.phase in ("before-scheduling", "during-handshake")})
+    out = [f"{scenario.where}: implementation 'vllm', push: decode aborting "
+           f"{p.replace('-', ' ')} is not driven through vLLM's own path (a decode-side empty "
+           f"receive whose notification frees prefill); prefill frees the request's blocks at "
+           f"its lease instead" for p in phases]
+    for message in out:
+        log.warning("%s", message)
+    return out

@@ -8,6 +8,7 @@ import simpy
 
 from hkvsim.fabric import Fabric, load_profile, place_engines
 from hkvsim.implementations.vllm.agent import NixlAgentError, TransportNixlAgent, host_address
+from hkvsim.transport.base import TransportError
 from hkvsim.transport.sim import SimWorld
 
 N = 1 << 16
@@ -134,3 +135,57 @@ def test_how_vllm_saw_a_transfer_end_is_kept_until_its_handle_is_made_again(monk
     monkeypatch.setattr(a.transport, "make_prepped_xfer", lambda *args: x)
     assert a.make_prepped_xfer("READ", local, [0], remote, [0]) == x
     assert a.ended_as(x) is None
+
+
+
+def _read_handle(a, b, ma, mb):
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[host_address(ma), 256, 0]]),
+                              mem_type="DRAM")
+    remote = a.prep_xfer_dlist("t-b", np.array([[host_address(mb), 256, 0]]), mem_type="DRAM")
+    return local, remote, a.make_prepped_xfer("READ", local, [0], remote, [0])
+
+
+def test_a_transfer_is_live_until_vllm_releases_its_handle(monkeypatch):
+    # the coordinator must not reuse or recompute blocks a transfer vLLM still holds may write:
+    # live from the post until vLLM's release succeeds (not at DONE or ERR: vLLM 0.33.0 keeps a
+    # handle whose release fails, the backend's DMA may still run); a post that raised moved
+    # nothing; a handle number made again is a new transfer (nothing of the old one is kept)
+    env, a, b, ma, mb = _pair()
+    local, remote, x = _read_handle(a, b, ma, mb)
+    assert a.transfer(x) == "PROC" and a.is_live(x)
+    env.run()
+    assert a.check_xfer_state(x) == "DONE" and a.is_live(x)
+    old = a.telemetry_of(x)
+    a.release_xfer_handle(x)
+    assert not a.is_live(x) and a.telemetry_of(x) == old
+    monkeypatch.setattr(a.transport, "make_prepped_xfer", lambda *args: x)
+    assert a.make_prepped_xfer("READ", local, [0], remote, [0]) == x
+    assert a.is_live(x)  # made again: a new transfer, not yet released
+    monkeypatch.setattr(a.transport, "get_xfer_telemetry", lambda h: "the new transfer's")
+    assert a.telemetry_of(x) == "the new transfer's"  # not the released one's
+    monkeypatch.setattr(a.transport, "transfer", lambda h: (_ for _ in ()).throw(
+        TransportError("no route", kind="remote_disconnect")))
+    with pytest.raises(NixlAgentError):
+        a.transfer(x)
+    assert not a.is_live(x) and a.post_failure(x)[0] == "remote_disconnect"
+    assert a.make_prepped_xfer("READ", local, [0], remote, [0]) == x
+    assert a.post_failure(x) is None and a.is_live(x)
+
+
+def test_a_state_check_that_raises_is_remembered_as_a_transfer_exception(monkeypatch):
+    # vLLM's log calls it transfer_exception whatever raised; the harness names the request's
+    # failure the same way (hkvsim's core does); a handle made again forgets it
+    env, a, b, ma, mb = _pair()
+    local, remote, x = _read_handle(a, b, ma, mb)
+    a.transfer(x)
+    monkeypatch.setattr(a.transport, "check_xfer_state", lambda h: (_ for _ in ()).throw(
+        TransportError("peer gone", kind="remote_disconnect")))
+    with pytest.raises(NixlAgentError):
+        a.check_xfer_state(x)
+    assert a.poll_failure(x) == ("transfer_exception", "peer gone")
+    assert a.ended_as(x) is None and a.is_live(x)  # a raising check says nothing of the DMA
+    monkeypatch.setattr(a.transport, "make_prepped_xfer", lambda *args: x)
+    a.make_prepped_xfer("READ", local, [0], remote, [0])
+    assert a.poll_failure(x) is None

@@ -436,6 +436,58 @@ def test_a_failed_write_fails_its_push_request(vllm_required: str) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_a_read_stalled_past_the_watchdog_is_waited_out_as_in_hkvsims_core(
+        vllm_required: str) -> None:
+    """hkvsim's watchdog gives up on request 1's READ at 1 s; vLLM still holds the READ until
+    NIXL ends it (ERR at 2 s) and it releases the handle. The coordinator recomputes into the
+    request's blocks (or reuses them) only then, as with hkvsim's core, and the abandoned
+    request reports no telemetry. Before the harness counted vLLM's live handles, the vLLM run
+    recomputed at 1 s into blocks the READ could still write."""
+    from hkvsim.implementations.diff import diff_scenario
+
+    for s in load_scenarios(ROOT / "scenarios" / "vllm" / "watchdog-stall.toml"):
+        name = s.scenario.name
+        found, core, vllm = diff_scenario(s)
+        assert found == [], [str(d) for d in found]
+        stalled, expected = vllm.records[1], core.records[1]
+        assert stalled.telemetry == [] and expected.telemetry == [], name
+        assert stalled.failure_class == "stall" or stalled.recovered_from == "stall", name
+        assert stalled.times == expected.times, name  # the same waits, to the simulated second
+        released = stalled.times["transfer_start"] + 2.0  # the stall's end
+        if s.connector.kv_load_failure_policy == "recompute":
+            assert stalled.status == "ok" and stalled.times["done"] >= released, name
+        else:
+            assert stalled.times["unquarantined"] >= released, name
+        assert vllm.mismatched_bytes == 0 and vllm.leaks == core.leaks, name
+
+
+@pytest.mark.timeout(300)
+def test_a_request_vllm_failed_is_classed_by_what_nixl_told_it(vllm_required: str) -> None:
+    """A state check that raises fails its request as transfer_exception and a post that raises
+    as transfer_setup_failed (the failure_type in vLLM's log), pull and push, as hkvsim's core
+    classes them; vLLM's load errors and failed sends alone would say transfer_failed. 0.26.0's
+    push fails such a WRITE its own way (a finding, docs/vllm.md): a raising check trips its
+    assert at base_worker.py:1985, and a WRITE whose post raised is never reported (hkvsim's
+    watchdog calls it a stall)."""
+    from hkvsim.implementations.diff import diff_scenario
+
+    if vllm_required not in ("0.33.0", "0.26.0"):
+        pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+    old_push = {"poll": "vllm_failure", "setup": "stall"}
+    for phase, failure in (("poll", "transfer_exception"), ("setup", "transfer_setup_failed")):
+        for s in load_scenarios(ROOT / "scenarios" / "vllm" / f"failure-class-{phase}.toml"):
+            name = s.scenario.name
+            found, core, vllm = diff_scenario(s)
+            assert [r.failure_class for r in core.records] == [None, failure, None], name
+            assert vllm.mismatched_bytes == 0, name
+            if vllm_required == "0.26.0" and s.connector.mode == "push":
+                assert vllm.records[1].failure_class == old_push[phase], name
+                continue
+            assert [r.failure_class for r in vllm.records] == [None, failure, None], name
+            assert found == [], [str(d) for d in found]
+
+
+@pytest.mark.timeout(300)
 def test_push_with_a_block_size_ratio_is_refused_by_vllm(vllm_required: str) -> None:
     """vLLM's push refuses a decode block larger than prefill's at the reverse handshake (an
     assert in its block-size-ratio helper), loudly; hkvsim's core writes the sub-blocks."""

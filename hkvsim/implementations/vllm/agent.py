@@ -161,7 +161,9 @@ class TransportNixlAgent:
         self._created: list[int] = []  # transfer handles, in creation order
         self._telemetry: dict[int, XferTelemetry] = {}  # kept when a handle is released
         self._post_errors: dict[int, tuple[str, str]] = {}  # handle -> (class, message)
+        self._poll_errors: dict[int, tuple[str, str]] = {}  # check_xfer_state raised
         self._ended: dict[int, str] = {}  # handle -> DONE / ERR, as vLLM last saw it
+        self._released: set[int] = set()  # handles vLLM released (their DMA is over)
         self._held: dict[str, list[bytes]] = {}  # notifications peeked, not yet read by vLLM
         # when set, get_new_notifs returns only what peek_notifs took: with a real transport a
         # notification can arrive between the peek and vLLM's read, and must not reach vLLM
@@ -305,7 +307,12 @@ class TransportNixlAgent:
                           _indices(local_indices), remote_xfer_side,
                           _indices(remote_indices), _message(notif_msg))
         self._created.append(handle)
-        self._ended.pop(handle, None)  # a handle number made again starts a new transfer
+        # a handle number made again starts a new transfer
+        self._ended.pop(handle, None)
+        self._telemetry.pop(handle, None)
+        self._post_errors.pop(handle, None)
+        self._poll_errors.pop(handle, None)
+        self._released.discard(handle)
         return handle
 
     def created_handles(self) -> list[int]:
@@ -341,8 +348,15 @@ class TransportNixlAgent:
         return self._post_errors.get(handle)
 
     def check_xfer_state(self, handle: int) -> str:
+        """NIXL's state of a transfer; a check that raises is remembered per handle
+        (:meth:`poll_failure`)."""
         self._count("check_xfer_state")
-        state = self._call(self.transport.check_xfer_state, handle)
+        try:
+            state = self._call(self.transport.check_xfer_state, handle)
+        except NixlAgentError as exc:
+            # vLLM's name for it whatever raised (its log's failure_type), as hkvsim's core
+            self._poll_errors[handle] = ("transfer_exception", str(exc))
+            raise
         if state in ("DONE", "ERR"):
             self._ended[handle] = state
         return state
@@ -351,11 +365,22 @@ class TransportNixlAgent:
         """"DONE" or "ERR" once vLLM's check of this transfer saw it end, else None."""
         return self._ended.get(handle)
 
+    def poll_failure(self, handle: int) -> tuple[str, str] | None:
+        """(failure class, message) of a transfer whose state check raised, else None."""
+        return self._poll_errors.get(handle)
+
     def release_xfer_handle(self, handle: int) -> None:
         self._count("release_xfer_handle")
         with contextlib.suppress(TransportError):
             self._telemetry[handle] = self.transport.get_xfer_telemetry(handle)
         self._call(self.transport.release_xfer_handle, handle)
+        self._released.add(handle)
+
+    def is_live(self, handle: int) -> bool:
+        """May this transfer still move bytes? Yes from its post until vLLM released its handle
+        (a post that raised moved nothing). vLLM 0.33.0 keeps a handle whose release failed,
+        "a status error does not guarantee that the backend stopped DMA"; so does this."""
+        return handle not in self._released and handle not in self._post_errors
 
     def get_xfer_telemetry(self, handle: int) -> Telemetry:
         self._count("get_xfer_telemetry")

@@ -65,6 +65,7 @@ class VllmConnectorWorker:
         self.memory: Memory | None = None
         self.vllm: VllmRank | None = None
         self._in_flight: dict[str, _Flight] = {}
+        self._zombies: dict[str, list[int]] = {}  # ended requests -> their live transfers
         self._notify_agents: set[str] = set()  # push, decode: added here, removed at shutdown
         self.notification_failures = 0
 
@@ -175,7 +176,7 @@ class VllmConnectorWorker:
         """``finished`` (the transport's finished handles, from event-driven drivers) is not
         needed: vLLM's get_finished() asks its agent about every transfer it holds."""
         del finished
-        if not self._in_flight:
+        if not self._in_flight and not self._zombies:
             return []
         assert self.vllm is not None
         try:
@@ -196,7 +197,7 @@ class VllmConnectorWorker:
             out = [self._end(rid) for rid in sorted(set(sending or ()) & set(self._in_flight))]
             out += [self._end(rid, failure=VllmFailure(
                         where="push WRITE", what="vLLM recorded the request's WRITE as failed",
-                        kind="transfer_failed"))
+                        kind=self._failure_kind(rid)))
                     for rid in sorted(failed & set(self._in_flight))]
             return out
         out = []
@@ -212,12 +213,18 @@ class VllmConnectorWorker:
                 out.append(self._end(rid, failure=VllmFailure(
                     where="get_block_ids_with_load_errors",
                     what=f"vLLM reported load errors for blocks {lost[:8]}",
-                    kind="transfer_failed")))
+                    kind=self._failure_kind(rid))))
             else:
                 out.append(self._end(rid))
         return out
 
-    def _end(self, rid: str, failure: VllmFailure | None = None) -> RequestOutcome:
+    def _end(self, rid: str, failure: VllmFailure | None = None, *, completed: bool = True
+             ) -> RequestOutcome:
+        """The request's outcome: ok unless ``failure``; its transfers' telemetry only when it
+        ``completed`` (as hkvsim's worker). vLLM's transfers of it that may still move bytes
+        (posted, handle not yet released by vLLM) are counted as ``unreleased`` and watched
+        until vLLM releases them (:meth:`take_released`): the coordinator must not reuse or
+        recompute into blocks they may still write."""
         flight = self._in_flight.pop(rid)
         out = flight.outcome
         assert self.vllm is not None
@@ -227,16 +234,36 @@ class VllmConnectorWorker:
         out.transfers = len(posted)  # as hkvsim's worker: a post that raised moved nothing
         out.descriptors = sum(t.descriptors for t in tel)
         out.nbytes = sum(t.nbytes for t in tel)
-        if failure is None:  # as hkvsim's worker: telemetry of a request that completed
-            out.ok, out.telemetry = True, tel
+        if failure is None:
+            out.ok = True
+            if completed:
+                out.telemetry = tel
         else:
             out.reason, out.failure_class = str(failure), failure.kind
+        live = [h for h in posted if agent.is_live(h)]
+        if live:
+            self._zombies[rid] = live
+        out.unreleased = len(live)
         return out
+
+    def _failure_kind(self, rid: str) -> str:
+        """hkvsim's failure class for a request vLLM failed, from what NIXL told vLLM about its
+        transfers (vLLM's log names the same failure_type): a post that raised ->
+        its class (transfer_setup_failed, remote_disconnect), a state check that raised ->
+        transfer_exception, else transfer_failed (a transfer ended in ERR)."""
+        assert self.vllm is not None
+        agent = self.vllm.agent
+        handles = self._in_flight[rid].handles
+        for found in (agent.post_failure, agent.poll_failure):
+            kinds = [f[0] for f in map(found, handles) if f]
+            if kinds:
+                return kinds[0]
+        return "transfer_failed"
 
     def abort(self, rid: str, reason: str, failure_class: str) -> RequestOutcome | None:
         if rid not in self._in_flight:
             return None
-        out = self._end(rid)
+        out = self._end(rid, completed=False)
         out.ok, out.reason, out.failure_class = False, reason, failure_class
         return out
 
@@ -244,10 +271,24 @@ class VllmConnectorWorker:
         return len(self._in_flight)
 
     def pending_releases(self) -> int:
-        return 0
+        return sum(len(h) for h in self._zombies.values())
 
     def take_released(self) -> list[str]:
-        return []
+        """Requests that ended with transfers still live, once vLLM has released the last of
+        them (vLLM keeps polling them in its get_finished: :meth:`poll` goes on calling it)."""
+        if not self._zombies:
+            return []
+        assert self.vllm is not None
+        is_live = self.vllm.agent.is_live
+        out = []
+        for rid, handles in list(self._zombies.items()):
+            handles = [h for h in handles if is_live(h)]
+            if handles:
+                self._zombies[rid] = handles
+            else:
+                del self._zombies[rid]
+                out.append(rid)
+        return out
 
     def take_messages(self) -> list[bytes]:
         """Prefill: vLLM's own worker counts the read notifications and says when a request's
