@@ -1263,18 +1263,19 @@ class Coordinator:
 
 
 def undriven_abort_warnings(scenario: Any) -> list[str]:
-    """vLLM's push, decode aborting before scheduling or during the handshake: vLLM's own path
-    (a decode-side empty receive whose notification frees prefill) is not driven; prefill's
-    blocks go by its lease instead. Said in the run's warnings, not left to be read as vLLM's."""
+    """vLLM's push, decode aborting before scheduling or during the handshake: vLLM's own decode
+    path for it (its push scheduler) is not driven; hkvsim's coordinator registers the request
+    with no blocks, which vLLM's prefill refuses, and prefill frees the request's blocks at its
+    lease. Said in the run's warnings, not left to be read as what vLLM does."""
     connector = scenario.connector
     if connector.implementation != "vllm" or connector.mode != "push":
         return []
     phases = sorted({f.phase for f in scenario.faults if f.kind == "abort-request"
                      and f.phase in ("before-scheduling", "during-handshake")})
     out = [f"{scenario.where}: implementation 'vllm', push: decode aborting "
-           f"{p.replace('-', ' ')} is not driven through vLLM's own path (a decode-side empty "
-           f"receive whose notification frees prefill); prefill frees the request's blocks at "
-           f"its lease instead" for p in phases]
+           f"{p.replace('-', ' ')} is not driven through vLLM's own decode path (hkvsim's "
+           f"coordinator registers the request with no blocks, which vLLM's prefill refuses); "
+           f"prefill frees the request's blocks at its lease" for p in phases]
     for message in out:
         log.warning("%s", message)
     return out

@@ -154,6 +154,7 @@ def test_a_transfer_is_live_until_vllm_releases_its_handle(monkeypatch):
     # nothing; a handle number made again is a new transfer (nothing of the old one is kept)
     env, a, b, ma, mb = _pair()
     local, remote, x = _read_handle(a, b, ma, mb)
+    assert not a.is_live(x)  # made, not posted: nothing moves
     assert a.transfer(x) == "PROC" and a.is_live(x)
     env.run()
     assert a.check_xfer_state(x) == "DONE" and a.is_live(x)
@@ -162,7 +163,9 @@ def test_a_transfer_is_live_until_vllm_releases_its_handle(monkeypatch):
     assert not a.is_live(x) and a.telemetry_of(x) == old
     monkeypatch.setattr(a.transport, "make_prepped_xfer", lambda *args: x)
     assert a.make_prepped_xfer("READ", local, [0], remote, [0]) == x
-    assert a.is_live(x)  # made again: a new transfer, not yet released
+    assert not a.is_live(x)  # made again: a new transfer, not posted yet
+    monkeypatch.setattr(a.transport, "transfer", lambda h: "PROC")
+    assert a.transfer(x) == "PROC" and a.is_live(x)  # posted, not released
     monkeypatch.setattr(a.transport, "get_xfer_telemetry", lambda h: "the new transfer's")
     assert a.telemetry_of(x) == "the new transfer's"  # not the released one's
     monkeypatch.setattr(a.transport, "transfer", lambda h: (_ for _ in ()).throw(
@@ -171,7 +174,7 @@ def test_a_transfer_is_live_until_vllm_releases_its_handle(monkeypatch):
         a.transfer(x)
     assert not a.is_live(x) and a.post_failure(x)[0] == "remote_disconnect"
     assert a.make_prepped_xfer("READ", local, [0], remote, [0]) == x
-    assert a.post_failure(x) is None and a.is_live(x)
+    assert a.post_failure(x) is None and not a.is_live(x)
 
 
 def test_a_state_check_that_raises_is_remembered_as_a_transfer_exception(monkeypatch):

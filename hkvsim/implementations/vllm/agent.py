@@ -163,6 +163,7 @@ class TransportNixlAgent:
         self._post_errors: dict[int, tuple[str, str]] = {}  # handle -> (class, message)
         self._poll_errors: dict[int, tuple[str, str]] = {}  # check_xfer_state raised
         self._ended: dict[int, str] = {}  # handle -> DONE / ERR, as vLLM last saw it
+        self._posted: set[int] = set()  # handles vLLM posted (transfer called)
         self._released: set[int] = set()  # handles vLLM released (their DMA is over)
         self._held: dict[str, list[bytes]] = {}  # notifications peeked, not yet read by vLLM
         # when set, get_new_notifs returns only what peek_notifs took: with a real transport a
@@ -312,6 +313,7 @@ class TransportNixlAgent:
         self._telemetry.pop(handle, None)
         self._post_errors.pop(handle, None)
         self._poll_errors.pop(handle, None)
+        self._posted.discard(handle)
         self._released.discard(handle)
         return handle
 
@@ -334,6 +336,7 @@ class TransportNixlAgent:
         reports such a request in a later ``get_finished``, which an engine's next step calls
         (on the simulated fabric no transfer event would come to trigger it)."""
         self._count("transfer")
+        self._posted.add(handle)
         try:
             return self._call(self.transport.transfer, handle)
         except NixlAgentError as exc:
@@ -378,9 +381,11 @@ class TransportNixlAgent:
 
     def is_live(self, handle: int) -> bool:
         """May this transfer still move bytes? Yes from its post until vLLM released its handle
-        (a post that raised moved nothing). vLLM 0.33.0 keeps a handle whose release failed,
-        "a status error does not guarantee that the backend stopped DMA"; so does this."""
-        return handle not in self._released and handle not in self._post_errors
+        (one never posted, or whose post raised, moved nothing). vLLM 0.33.0 keeps a handle whose
+        release failed, "a status error does not guarantee that the backend stopped DMA"; so
+        does this."""
+        return (handle in self._posted and handle not in self._released
+                and handle not in self._post_errors)
 
     def get_xfer_telemetry(self, handle: int) -> Telemetry:
         self._count("get_xfer_telemetry")

@@ -159,6 +159,12 @@ class VllmConnectorWorker:
         outcome = RequestOutcome(request_id=req.request_id, ok=False)
         groups = sorted(set(req.decode_blocks) | set(req.prefill_blocks))
         local = tuple([int(b) for b in req.decode_blocks.get(g, ())] for g in groups)
+        if not any(local):
+            # nothing to read (a full prefix hit, or decode gave up before reading): vLLM's
+            # scheduler then hands its worker no groups at all, not an empty list per group (a
+            # full hit: (); a request aborted before it was scheduled: []), and 0.26.0's worker
+            # recognises only that shape as "notify prefill, read nothing"
+            local = ()
         remote = tuple([int(b) for b in req.prefill_blocks.get(g, ())] for g in groups)
         agent = self.vllm.agent
         before = agent.created_handles()
@@ -170,6 +176,11 @@ class VllmConnectorWorker:
             outcome.reason, outcome.failure_class = str(failure), failure.kind
             return outcome
         self._in_flight[req.request_id] = flight
+        if not local:
+            # vLLM's scheduler does not wait for a request with nothing to load (no external
+            # tokens: it is not an async load); its worker only notified prefill (0.26.0 never
+            # lists it as received, 0.33.0 does, after the fact)
+            return self._end(req.request_id)
         return None
 
     def poll(self, finished: Any = None) -> list[RequestOutcome]:
@@ -194,7 +205,10 @@ class VllmConnectorWorker:
             failed |= {rid for rid, f in self._in_flight.items() if f.handles
                        and all(agent.ended_as(h) for h in f.handles)
                        and any(agent.ended_as(h) == "ERR" for h in f.handles)}
-            out = [self._end(rid) for rid in sorted(set(sending or ()) & set(self._in_flight))]
+            # a request vLLM lists as sent although a WRITE of it did not end DONE (0.26.0 lists
+            # one whose WRITE ended in ERR) completed no transfer: no telemetry
+            out = [self._end(rid, completed=self._all_done(rid))
+                   for rid in sorted(set(sending or ()) & set(self._in_flight))]
             out += [self._end(rid, failure=VllmFailure(
                         where="push WRITE", what="vLLM recorded the request's WRITE as failed",
                         kind=self._failure_kind(rid)))
@@ -245,6 +259,13 @@ class VllmConnectorWorker:
             self._zombies[rid] = live
         out.unreleased = len(live)
         return out
+
+    def _all_done(self, rid: str) -> bool:
+        """Did every transfer vLLM posted for the request end DONE, as its checks saw them?"""
+        assert self.vllm is not None
+        agent = self.vllm.agent
+        return all(agent.ended_as(h) == "DONE" for h in self._in_flight[rid].handles
+                   if agent.post_failure(h) is None)
 
     def _failure_kind(self, rid: str) -> str:
         """hkvsim's failure class for a request vLLM failed, from what NIXL told vLLM about its
