@@ -324,9 +324,9 @@ def test_a_push_registration_needs_a_decode_tp_and_no_negative_hit(decode_tp: in
     ("hkvsim", "push", "before-scheduling", False)])
 def test_an_abort_vllms_push_path_does_not_drive_is_said_in_the_warnings(
         implementation: str, mode: str, phase: str, warned: bool) -> None:
-    # decode aborting before scheduling or during the handshake in vLLM's push has its own path
-    # (a decode-side empty receive) that the harness does not drive: prefill frees by lease,
-    # which must not be read as vLLM's behaviour (docs/vllm.md)
+    # decode aborting before scheduling or during the handshake in vLLM's push: vLLM's own
+    # decode path for it is not driven (hkvsim's coordinator registers the request with no
+    # blocks, which vLLM's prefill refuses), so the run must say so (docs/vllm.md)
     from hkvsim.pd.coordinator import undriven_abort_warnings
 
     (scenario,) = parse_scenarios(f"""
