@@ -327,7 +327,7 @@ def test_an_abort_vllms_push_path_does_not_drive_is_said_in_the_warnings(
     # decode aborting before scheduling or during the handshake in vLLM's push: vLLM's own
     # decode path for it is not driven (hkvsim's coordinator registers the request with no
     # blocks, which vLLM's prefill refuses), so the run must say so (docs/vllm.md)
-    from hkvsim.pd.coordinator import undriven_abort_warnings
+    from hkvsim.implementations.vllm.run import undriven_abort_warnings
 
     (scenario,) = parse_scenarios(f"""
 [scenario]

@@ -387,6 +387,8 @@ class Coordinator:
 
     def warnings(self) -> list[str]:
         """What the run did differently from what the scenario asked (logged once each)."""
+        from ..implementations.vllm.run import undriven_abort_warnings  # no vLLM import
+
         return (hit_rounding_warnings(self.scenario, self.records,
                                       self.dep.engines["decode"][0].layout)
                 + undriven_abort_warnings(self.scenario))
@@ -1261,21 +1263,3 @@ class Coordinator:
         except (TPError, ValueError):
             return (0,)
 
-
-def undriven_abort_warnings(scenario: Any) -> list[str]:
-    """vLLM's push, decode aborting before scheduling or during the handshake: vLLM's own decode
-    path for it (its push scheduler) is not driven; hkvsim's coordinator registers the request
-    with no blocks, which vLLM's prefill refuses, and prefill frees the request's blocks at its
-    lease. Said in the run's warnings, not left to be read as what vLLM does."""
-    connector = scenario.connector
-    if connector.implementation != "vllm" or connector.mode != "push":
-        return []
-    phases = sorted({f.phase for f in scenario.faults if f.kind == "abort-request"
-                     and f.phase in ("before-scheduling", "during-handshake")})
-    out = [f"{scenario.where}: implementation 'vllm', push: decode aborting "
-           f"{p.replace('-', ' ')} is not driven through vLLM's own decode path (hkvsim's "
-           f"coordinator registers the request with no blocks, which vLLM's prefill refuses); "
-           f"prefill frees the request's blocks at its lease" for p in phases]
-    for message in out:
-        log.warning("%s", message)
-    return out

@@ -28,6 +28,15 @@ def _pair():
     return env, a, b, ma, mb
 
 
+def _read_handle(a, b, ma, mb):
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[host_address(ma), 256, 0]]),
+                              mem_type="DRAM")
+    remote = a.prep_xfer_dlist("t-b", np.array([[host_address(mb), 256, 0]]), mem_type="DRAM")
+    return local, remote, a.make_prepped_xfer("READ", local, [0], remote, [0])
+
+
 def test_strided_read_moves_the_named_bytes_and_notifies():
     env, a, b, ma, mb = _pair()
     mb.array[:] = np.arange(N, dtype=np.uint64).astype(np.uint8)
@@ -120,12 +129,7 @@ def test_how_vllm_saw_a_transfer_end_is_kept_until_its_handle_is_made_again(monk
     # that records it): kept after vLLM releases the handle, dropped when a transport hands the
     # same handle number to a new transfer
     env, a, b, ma, mb = _pair()
-    a.add_remote_agent(b.get_agent_metadata())
-    b.add_remote_agent(a.get_agent_metadata())
-    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[host_address(ma), 256, 0]]),
-                              mem_type="DRAM")
-    remote = a.prep_xfer_dlist("t-b", np.array([[host_address(mb), 256, 0]]), mem_type="DRAM")
-    x = a.make_prepped_xfer("READ", local, [0], remote, [0])
+    local, remote, x = _read_handle(a, b, ma, mb)
     assert a.transfer(x) == "PROC" and a.ended_as(x) is None
     assert a.check_xfer_state(x) == "PROC" and a.ended_as(x) is None
     env.run()
@@ -135,16 +139,6 @@ def test_how_vllm_saw_a_transfer_end_is_kept_until_its_handle_is_made_again(monk
     monkeypatch.setattr(a.transport, "make_prepped_xfer", lambda *args: x)
     assert a.make_prepped_xfer("READ", local, [0], remote, [0]) == x
     assert a.ended_as(x) is None
-
-
-
-def _read_handle(a, b, ma, mb):
-    a.add_remote_agent(b.get_agent_metadata())
-    b.add_remote_agent(a.get_agent_metadata())
-    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[host_address(ma), 256, 0]]),
-                              mem_type="DRAM")
-    remote = a.prep_xfer_dlist("t-b", np.array([[host_address(mb), 256, 0]]), mem_type="DRAM")
-    return local, remote, a.make_prepped_xfer("READ", local, [0], remote, [0])
 
 
 def test_a_transfer_is_live_until_vllm_releases_its_handle(monkeypatch):

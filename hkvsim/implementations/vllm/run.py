@@ -8,12 +8,15 @@ coordinator, fabric and oracle stay hkvsim's. Every reason vLLM cannot run a sce
 from __future__ import annotations
 
 from collections.abc import Callable
+import logging
 from typing import Any
 
 from ...pd.deployment import Deployment
 from ...scenario import ScenarioError
 
-__all__ = ["vllm_worker_factory"]
+__all__ = ["vllm_worker_factory", "undriven_abort_warnings"]
+
+log = logging.getLogger("hkvsim.vllm")
 
 _KEY = "connector.implementation"
 
@@ -66,3 +69,22 @@ def vllm_worker_factory(dep: Deployment, *, now: Callable[[], float], moves_byte
         return VllmConnectorWorker(harness=harness, **kw)
 
     return make, {"name": "vllm", "version": version}
+
+
+def undriven_abort_warnings(scenario: Any) -> list[str]:
+    """vLLM's push, decode aborting before scheduling or during the handshake: vLLM's own decode
+    path for it (its push scheduler) is not driven; hkvsim's coordinator registers the request
+    with no blocks, which vLLM's prefill refuses, and prefill frees the request's blocks at its
+    lease. Said in the run's warnings, not left to be read as what vLLM does."""
+    connector = scenario.connector
+    if connector.implementation != "vllm" or connector.mode != "push":
+        return []
+    phases = sorted({f.phase for f in scenario.faults if f.kind == "abort-request"
+                     and f.phase in ("before-scheduling", "during-handshake")})
+    out = [f"{scenario.where}: implementation 'vllm', push: decode aborting "
+           f"{p.replace('-', ' ')} is not driven through vLLM's own decode path (hkvsim's "
+           f"coordinator registers the request with no blocks, which vLLM's prefill refuses); "
+           f"prefill frees the request's blocks at its lease" for p in phases]
+    for message in out:
+        log.warning("%s", message)
+    return out

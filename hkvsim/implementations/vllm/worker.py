@@ -243,7 +243,7 @@ class VllmConnectorWorker:
         out = flight.outcome
         assert self.vllm is not None
         agent = self.vllm.agent
-        posted = [h for h in flight.handles if agent.post_failure(h) is None]
+        posted = self._posted(flight.handles)
         tel = [t for t in map(agent.telemetry_of, posted) if t is not None]
         out.transfers = len(posted)  # as hkvsim's worker: a post that raised moved nothing
         out.descriptors = sum(t.descriptors for t in tel)
@@ -260,12 +260,17 @@ class VllmConnectorWorker:
         out.unreleased = len(live)
         return out
 
+    def _posted(self, handles: list[int]) -> list[int]:
+        """The transfers whose post did not raise (as hkvsim's worker: one that raised moved
+        nothing)."""
+        assert self.vllm is not None
+        return [h for h in handles if self.vllm.agent.post_failure(h) is None]
+
     def _all_done(self, rid: str) -> bool:
         """Did every transfer vLLM posted for the request end DONE, as its checks saw them?"""
         assert self.vllm is not None
-        agent = self.vllm.agent
-        return all(agent.ended_as(h) == "DONE" for h in self._in_flight[rid].handles
-                   if agent.post_failure(h) is None)
+        ended_as = self.vllm.agent.ended_as
+        return all(ended_as(h) == "DONE" for h in self._posted(self._in_flight[rid].handles))
 
     def _failure_kind(self, rid: str) -> str:
         """hkvsim's failure class for a request vLLM failed, from what NIXL told vLLM about its
