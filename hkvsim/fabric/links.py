@@ -240,6 +240,10 @@ class Fabric:
         self._routes: dict[tuple[Hashable, Hashable], tuple[tuple[_Link, ...], float]] = {}
         self._latencies: dict[tuple[Hashable, Hashable], float] = {}
         self._posting: dict[Endpoint, simpy.Resource] = {}  # host path: each rank's thread
+        # host path, rank_thread_order "loop-batches": the loop iteration (batch) each rank's
+        # thread is in (its messages of one batch, then its NIXL poll)
+        self._loop_batches = profile.rank_thread_order == "loop-batches"
+        self._batch: dict[Endpoint, int] = {}
         # host path: when each rank last started an operation's posts
         self._op_posted_at: dict[Endpoint, float] = {}
         # plain path: each busy poster's transfers waiting to post (a poster with none: free),
@@ -389,9 +393,16 @@ class Fabric:
                 yield core
                 yield self.env.timeout(seconds * self._cpu_stretch(0, own_rank=False))
 
-    def _on_a_core(self, ep: Endpoint, seconds: float) -> Generator[simpy.Event, Any, None]:
-        with self._poster(ep).request() as thread:  # the rank's one thread does it
+    def _on_a_core(self, ep: Endpoint, seconds: float, *, notice: bool = False,
+                   request: Any = None) -> Generator[simpy.Event, Any, None]:
+        """``seconds`` of CPU on the rank's one thread and a core of its node; ``notice``: a
+        completion noticed by the rank's poll (``_thread``); ``request``: the thread, already
+        requested."""
+        if request is None:
+            request = self._thread(ep, notice=notice)
+        with request as thread:  # the rank's one thread does it
             yield thread
+            self._granted(ep, thread)
             with self._node_cores(ep.node).request() as core:
                 yield core
                 yield self.env.timeout(seconds * self._cpu_stretch(ep.node))
@@ -450,8 +461,30 @@ class Fabric:
     def _poster(self, ep: Endpoint) -> simpy.Resource:
         res = self._posting.get(ep)
         if res is None:
-            res = self._posting[ep] = simpy.Resource(self.env, capacity=1)
+            kind = simpy.PriorityResource if self._loop_batches else simpy.Resource
+            res = self._posting[ep] = kind(self.env, capacity=1)
         return res
+
+    def _thread(self, ep: Endpoint, *, notice: bool = False) -> simpy.resources.base.Put:
+        """A request for the rank's one thread (host path). FIFO, unless the profile's
+        ``rank_thread_order`` is ``"loop-batches"``: the rank loop handles every message it has
+        read (a batch), then polls NIXL once, so work that arrives while the thread is busy
+        waits for the next batch, and a completion noticed (``notice``) while a batch runs is
+        handled at that batch's end, before the next batch's messages. An idle thread starts a
+        new batch at once."""
+        res = self._poster(ep)
+        if not self._loop_batches:
+            return res.request()
+        batch = self._batch.get(ep, 0)
+        if res.count == 0 and not res.queue:  # idle: this starts the next loop iteration
+            self._batch[ep] = batch + 1
+            return res.request(priority=batch + 1)
+        return res.request(priority=batch if notice else batch + 1)
+
+    def _granted(self, ep: Endpoint, req: Any) -> None:
+        """The thread went to ``req``: with loop batches, its batch is the one running."""
+        if self._loop_batches:
+            self._batch[ep] = max(self._batch.get(ep, 0), req.priority)
 
     def _node_cores(self, node: int) -> simpy.Resource:
         res = self._cores.get(node)
@@ -480,8 +513,9 @@ class Fabric:
         the remote agent to progress (module docstring)."""
         env, p = self.env, self.profile
         submitted = env.now
-        with self._poster(poster).request() as req:
+        with self._thread(poster) as req:
             yield req
+            self._granted(poster, req)
             with self._node_cores(poster.node).request() as core:
                 yield core
                 stretch = self._cpu_stretch(poster.node)
@@ -496,6 +530,13 @@ class Fabric:
                 # cma copies inside the post call: the call returns when the copy is done (what
                 # NIXL's telemetry reports as the post), so the wire lies within the post
                 post_end = wire_end = env.now
+            notice = None
+            if (self._loop_batches and p.completion_notice
+                    and (peer_progress is None or peer_progress(post_start) <= env.now)):
+                # complete when the post returns (the path latency is a fraction of a us): the
+                # NIXL poll that ends this batch sees it, after the batch's other messages and
+                # before the next batch's
+                notice = self._poster(poster).request(priority=req.priority)
         if peer_progress is not None:
             progressed = peer_progress(post_start)
             if progressed > env.now:
@@ -505,7 +546,7 @@ class Fabric:
         # queued on it) and the coordinator takes the message (on its thread): CPU work too,
         # queued behind whatever holds the cores
         if p.completion_notice:  # in this process (``yield from``): no extra event reorders it
-            yield from self._on_a_core(poster, p.completion_notice)
+            yield from self._on_a_core(poster, p.completion_notice, notice=True, request=notice)
         if p.coordinator_message:
             yield self.coordinator_work(p.coordinator_message)
         return TransferTiming(submitted=submitted, post_start=post_start, post_end=post_end,

@@ -53,6 +53,12 @@ Optional host-path keys (absent = not modelled; the GPU profiles leave them out)
   running Python at ~80 %). A job that finds ``k`` of the node's cores busy (itself included)
   runs ``1 + core_contention * (k - 1)`` times as long, on top of the polling stretch above.
   Fitted by ``hkvsim calibrate --host`` with the per-core rate; absent = no contention.
+* ``rank_thread_order`` (only with ``host_copy_cores``): how a rank's one thread orders its
+  work. ``"fifo"`` (absent): first come, first served, a completion notice included.
+  ``"loop-batches"``: as the rank loop runs (hkvsim/backends/rank.py): it handles every message
+  it has read (a batch: posts, oracle work), then polls NIXL once; work arriving while the
+  thread is busy goes to the next batch, and a completion that lands while a batch runs is
+  noticed at that batch's end, ahead of the next batch.
 * ``coordinator_call_us`` (only with ``host_copy_cores``): the coordinator's CPU per operation
   it sends a rank (deciding it, encoding it, writing it to the rank's socket), on the
   coordinator's one thread and a core of node 0: a request's calls reach its ranks one after
@@ -101,6 +107,8 @@ __all__ = [
 PROFILE_DIR: Final[Path] = Path(__file__).resolve().parent / "profiles"
 PLACEMENTS: Final[tuple[str, ...]] = ("pack", "split")
 MEMORY_KINDS: Final[tuple[str, ...]] = ("VRAM", "DRAM")
+#: How a rank's one thread orders its host-path work (``rank_thread_order``).
+RANK_THREAD_ORDERS: Final[tuple[str, ...]] = ("fifo", "loop-batches")
 
 
 class ProfileError(ValueError):
@@ -180,6 +188,8 @@ _SCHEMA: Final[tuple[_Field, ...]] = (
     _Field("core_contention", "core_contention", "float", optional=True),
     _Field("completion_notice", "completion_notice_us", "float", "us", optional=True),
     _Field("coordinator_message", "coordinator_message_us", "float", "us", optional=True),
+    _Field("rank_thread_order", "rank_thread_order", "str", choices=RANK_THREAD_ORDERS,
+           optional=True),
 )
 _BY_KEY: Final[dict[str, _Field]] = {f.key: f for f in _SCHEMA}
 _BY_ATTR: Final[dict[str, _Field]] = {f.attr: f for f in _SCHEMA}
@@ -264,6 +274,7 @@ class FabricProfile:
     core_contention: float = 0.0  # slowdown per other busy core of the node (host path)
     completion_notice: float = 0.0  # seconds: the rank's poll loop noticing a completion
     coordinator_message: float = 0.0  # seconds: the rank's completion message to the coordinator
+    rank_thread_order: str | None = None  # "fifo" (None) | "loop-batches" (host path)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -326,7 +337,8 @@ class FabricProfile:
 _NEED_HOST_CORES: Final[tuple[str, ...]] = ("rank_dispatch", "oracle_core_bandwidth",
                                             "peer_poll_idle", "coordinator_call",
                                             "rank_dispatch_unprepped", "rank_op_dispatch",
-                                            "rank_op_dispatch_unprepped", "core_contention")
+                                            "rank_op_dispatch_unprepped", "core_contention",
+                                            "rank_thread_order")
 
 
 def _check_host_copy(get: Callable[[str], Any], memory: str, where: str) -> None:
