@@ -91,8 +91,14 @@ def test_peer_progress_is_the_expected_next_poll_of_the_remote_rank() -> None:
     d._woken[rank] = 0.0
     d.env.run(until=2.5e-3)
     assert d._peer_progress(prefill, 2e-3) == pytest.approx(2.5e-3 + (0.5e-3) ** 2 / (2 * idle))
+    # the median for an either-or decision: half the window gone -> it has polled, else not
+    assert d._peer_progress(prefill, 2e-3, median=True) == pytest.approx(2e-3 + idle / 2)
+    d.env.run(until=2.6e-3)
+    assert d._peer_progress(prefill, 2e-3, median=True) == pytest.approx(2.6e-3)
+    assert d._peer_progress(prefill, 2e-3) > 2.6e-3  # the mean: a hair later
     d.env.run(until=4e-3)  # past the window: it has polled by now
     assert d._peer_progress(prefill, 2e-3) == pytest.approx(4e-3)
+    assert d._peer_progress(prefill, 2e-3, median=True) == pytest.approx(4e-3)
 
 
 def test_small_pulls_wait_for_the_idle_prefill_rank_large_ones_do_not() -> None:

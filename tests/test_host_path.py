@@ -101,18 +101,20 @@ def test_completion_work_queues_behind_copies_holding_the_cores() -> None:
 
 
 def _thread_order(order: str | None, arrivals: list[tuple[float, str]] | None = None,
-                  peer_delay: float | None = None) -> dict[str, float]:
+                  peer_delay: float | None = None, progress: Any = None) -> dict[str, float]:
     """When each piece of rank a's work ends (a transfer T*: when it is done; oracle work W*:
     1 ms of CPU). Default arrivals: W0 on an idle thread at 0; T1 (50 us dispatch, 1 ms copy)
     and W1 at 0.1 / 0.2 ms, during W0; W2 and T2 at 1.5 / 1.6 ms, during T1's copy.
-    ``peer_delay``: the remote progresses that long after each post starts."""
+    ``peer_delay``: the remote progresses that long after each post starts (or ``progress``,
+    the fabric's peer_progress callable, as given)."""
     extra = {} if order is None else {"rank_thread_order": order}
     p = load_profile(CPU, overrides={**HOST, "host_copy_cores": 4, "completion_notice_us": 100.0,
                                      "rank_dispatch_us": 50.0, **extra})
     env = simpy.Environment()
     fabric = Fabric(env, p, {"a": Endpoint(0, 0), "b": Endpoint(0, 1)})
     ends: dict[str, float] = {}
-    progress = None if peer_delay is None else (lambda start: start + peer_delay)
+    if peer_delay is not None:
+        progress = lambda start, median=False: start + peer_delay  # noqa: E731
 
     def at(when: float, name: str) -> Any:
         yield env.timeout(when)
@@ -162,6 +164,19 @@ def test_rank_loop_batches_notice_a_completion_seen_at_its_posts_batch_end_first
     assert ends["T1"] == pytest.approx(post + 100e-6, abs=1e-6)
     assert ends["W2"] == pytest.approx(post + 100e-6 + 1e-3, abs=1e-6)
     assert _thread_order("fifo", arrivals)["T1"] == pytest.approx(post + 1e-3 + 100e-6, abs=1e-6)
+
+
+def test_rank_loop_batches_a_remote_that_likely_progressed_during_the_post_counts() -> None:
+    # the remote's next poll: its median before T1's post returns, its mean 9 us after: the
+    # poll ending T1's batch sees the completion (the likelier outcome), ahead of W2's batch
+    post = 50e-6 + load_profile(CPU).post_time(1) + 1e-3
+    progress = lambda start, median=False: start if median else post + 9e-6  # noqa: E731
+    arrivals = [(0.0, "T1"), (5e-4, "W2")]
+    ends = _thread_order("loop-batches", arrivals, progress=progress)
+    assert ends["T1"] == pytest.approx(post + 9e-6 + 100e-6, abs=1e-6)
+    assert ends["W2"] == pytest.approx(ends["T1"] + 1e-3, abs=1e-6)
+    # the mean alone would miss that poll and leave the completion behind W2
+    assert _thread_order("fifo", arrivals, progress=progress)["T1"] > post + 1e-3
 
 
 def test_rank_loop_batches_a_late_completion_goes_to_the_batch_running_then() -> None:

@@ -250,13 +250,16 @@ class SimDriver:
     def _after_input(self) -> None:
         self._arm_timer()
 
-    def _peer_progress(self, agent: str, after: float) -> float:
+    def _peer_progress(self, agent: str, after: float, *, median: bool = False) -> float:
         """When the rank of ``agent`` is expected to have called into NIXL at or after
         ``after``, as known now: when a message from the coordinator woke it after ``after``;
         otherwise at its loop's next poll, every ``peer_poll_busy`` with transfers in flight and
         ``peer_poll_idle`` otherwise, at an unknown phase: the poll falls uniformly in
         [after, after + period], and the expected time of max(now, that poll) is returned (an
-        expected value, not a draw: runs stay deterministic and free of a phase grid)."""
+        expected value, not a draw: runs stay deterministic and free of a phase grid).
+        ``median``: the median of that time instead, for an either-or decision (whether the
+        rank's own poll right now sees the transfer complete: it does when the remote more
+        likely than not has polled since ``after``; the mean is then a hair after now)."""
         assert self._woken is not None
         rank = self._agent_rank[agent]
         if self._woken[rank] > after:  # woken after the post: it progressed then
@@ -266,6 +269,8 @@ class SimDriver:
         now, end = self.env.now, after + period
         if now <= after:
             return after + period / 2
+        if median:
+            return now if now - after >= period / 2 else after + period / 2
         if now >= end:
             return now
         return now + (end - now) ** 2 / (2 * period)

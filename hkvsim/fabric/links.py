@@ -328,13 +328,15 @@ class Fabric:
         dst: Hashable,
         nbytes: int,
         descriptors: int,
-        peer_progress: Callable[[float], float] | None = None,
+        peer_progress: Callable[..., float] | None = None,
         unprepped: bool = False,
     ) -> simpy.Event:
         """Post and move ``nbytes`` from ``src`` to ``dst``; the initiator's CPU posts it.
 
         ``peer_progress(t)`` (host path only): when the remote agent first progresses at or
         after time ``t``; the transfer completes no earlier than that after its post started.
+        ``peer_progress(t, median=True)``: the median of that time (``rank_thread_order``
+        "loop-batches": whether the poll ending the post's batch sees the completion).
         ``unprepped`` (host path only): made from raw descriptors (``make_xfer``), so the rank's
         dispatch is ``rank_dispatch_unprepped`` when the profile gives one.
 
@@ -505,7 +507,7 @@ class Fabric:
         latency: float,
         nbytes: int,
         descriptors: int,
-        peer_progress: Callable[[float], float] | None = None,
+        peer_progress: Callable[..., float] | None = None,
         dispatch: float = 0.0,
     ) -> Generator[simpy.Event, Any, TransferTiming]:
         """A host-path transfer: dispatch, post and copy on one core of the initiator's node,
@@ -532,10 +534,12 @@ class Fabric:
                 post_end = wire_end = env.now
             notice = None
             if (self._loop_batches and p.completion_notice
-                    and (peer_progress is None or peer_progress(post_start) <= env.now)):
-                # complete when the post returns (the path latency is a fraction of a us): the
-                # NIXL poll that ends this batch sees it, after the batch's other messages and
-                # before the next batch's
+                    and (peer_progress is None
+                         or peer_progress(post_start, median=True) <= env.now)):
+                # complete when the post returns (the path latency is a fraction of a us; the
+                # remote more likely than not progressed during the post): the NIXL poll that
+                # ends this batch sees it, after the batch's other messages and before the
+                # next batch's
                 notice = self._poster(poster).request(priority=req.priority)
         if peer_progress is not None:
             progressed = peer_progress(post_start)
