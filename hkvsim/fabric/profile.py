@@ -57,7 +57,8 @@ Optional host-path keys (absent = not modelled; the GPU profiles leave them out)
   work. ``"fifo"`` (absent): first come, first served, a completion notice included.
   ``"loop-batches"``: as the rank loop runs (hkvsim/backends/rank.py): it handles every message
   it has read (a batch: posts, oracle work), then polls NIXL once; work arriving while the
-  thread is busy goes to the next batch, and a completion that lands while a batch runs is
+  thread is busy goes to the next batch, and a completion that lands while a batch runs (or as
+  its post returns, when the remote rank more likely than not polled NIXL during the post) is
   noticed at that batch's end, ahead of the next batch.
 * ``coordinator_call_us`` (only with ``host_copy_cores``): the coordinator's CPU per operation
   it sends a rank (deciding it, encoding it, writing it to the rank's socket), on the
