@@ -175,12 +175,12 @@ def test_rank_loop_batches_a_remote_that_likely_progressed_during_the_post_count
     ends = _thread_order("loop-batches", arrivals, progress=progress)
     assert ends["T1"] == pytest.approx(post + 9e-6 + 100e-6, abs=1e-6)
     assert ends["W2"] == pytest.approx(ends["T1"] + 1e-3, abs=1e-6)
-    # the mean alone would miss that poll and leave the completion behind W2
+    # (deciding on the mean would miss that poll, as FIFO does: the completion behind W2)
     assert _thread_order("fifo", arrivals, progress=progress)["T1"] > post + 1e-3
 
 
 def test_rank_loop_batches_a_late_completion_goes_to_the_batch_running_then() -> None:
-    # T1 (batch 1) completes 1.5 ms after its post starts (the remote's progress), while W1
+    # T1 (batch 1) completes 1.6 ms after its post starts (the remote's progress), while W1
     # (batch 2, arrived during T1) runs; W2 arrived during W1 (batch 3), before the completion:
     # the poll ending batch 2 notices T1, ahead of W2
     arrivals = [(0.0, "T1"), (5e-4, "W1"), (1.3e-3, "W2")]
