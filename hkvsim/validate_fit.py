@@ -639,7 +639,7 @@ def _write_report(directory: Path, result: dict[str, Any], fit_real: list[FileRe
         f"| host_copy_core_gbps | {fit['core_gbps']} | fitted on the FIT set (grid "
         f"{GRID_GBPS[0]}..{GRID_GBPS[-1]} GB/s, x1.25), with the notice: smallest root mean "
         "square of log(sim / real) |",
-        f"| rank_thread_order | {fit.get('rank_thread_order', 'fifo')} | the rank loop's order "
+        f"| rank_thread_order | {fit['rank_thread_order']} | the rank loop's order "
         "(backends/rank.py): every message read, then one NIXL poll |",
         f"| rank_dispatch_us | {fit['rank_dispatch_us']} | measured in the FIT runs' ranks: CPU "
         "of StartRead / StartWrite less the CPU inside their post calls, per post, on the FIT "

@@ -395,14 +395,11 @@ class Fabric:
                 yield core
                 yield self.env.timeout(seconds * self._cpu_stretch(0, own_rank=False))
 
-    def _on_a_core(self, ep: Endpoint, seconds: float, *, notice: bool = False,
-                   request: Any = None) -> Generator[simpy.Event, Any, None]:
-        """``seconds`` of CPU on the rank's one thread and a core of its node; ``notice``: a
-        completion noticed by the rank's poll (``_thread``); ``request``: the thread, already
-        requested."""
-        if request is None:
-            request = self._thread(ep, notice=notice)
-        with request as thread:  # the rank's one thread does it
+    def _on_a_core(self, ep: Endpoint, seconds: float, request: Any = None
+                   ) -> Generator[simpy.Event, Any, None]:
+        """``seconds`` of CPU on the rank's one thread and a core of its node; ``request``: the
+        thread, as requested by ``_thread`` (default: work arriving now)."""
+        with request or self._thread(ep) as thread:  # the rank's one thread does it
             yield thread
             self._granted(ep, thread)
             with self._node_cores(ep.node).request() as core:
@@ -467,16 +464,19 @@ class Fabric:
             res = self._posting[ep] = kind(self.env, capacity=1)
         return res
 
-    def _thread(self, ep: Endpoint, *, notice: bool = False) -> simpy.resources.base.Put:
+    def _thread(self, ep: Endpoint, *, notice: bool = False, batch: int | None = None
+                ) -> simpy.resources.base.Put:
         """A request for the rank's one thread (host path). FIFO, unless the profile's
         ``rank_thread_order`` is ``"loop-batches"``: the rank loop handles every message it has
         read (a batch), then polls NIXL once, so work that arrives while the thread is busy
         waits for the next batch, and a completion noticed (``notice``) while a batch runs is
-        handled at that batch's end, before the next batch's messages. An idle thread starts a
-        new batch at once."""
+        handled at that batch's end, before the next batch's messages (``batch``: the batch
+        whose closing poll sees it, when known). An idle thread starts a new batch at once."""
         res = self._poster(ep)
         if not self._loop_batches:
             return res.request()
+        if batch is not None:
+            return res.request(priority=batch)
         batch = self._batch.get(ep, 0)
         if res.count == 0 and not res.queue:  # idle: this starts the next loop iteration
             self._batch[ep] = batch + 1
@@ -540,7 +540,7 @@ class Fabric:
                 # remote more likely than not progressed during the post): the NIXL poll that
                 # ends this batch sees it, after the batch's other messages and before the
                 # next batch's
-                notice = self._poster(poster).request(priority=req.priority)
+                notice = self._thread(poster, notice=True, batch=req.priority)
         if peer_progress is not None:
             progressed = peer_progress(post_start)
             if progressed > env.now:
@@ -550,7 +550,8 @@ class Fabric:
         # queued on it) and the coordinator takes the message (on its thread): CPU work too,
         # queued behind whatever holds the cores
         if p.completion_notice:  # in this process (``yield from``): no extra event reorders it
-            yield from self._on_a_core(poster, p.completion_notice, notice=True, request=notice)
+            yield from self._on_a_core(poster, p.completion_notice,
+                                       notice or self._thread(poster, notice=True))
         if p.coordinator_message:
             yield self.coordinator_work(p.coordinator_message)
         return TransferTiming(submitted=submitted, post_start=post_start, post_end=post_end,

@@ -7,8 +7,8 @@ coordinator, fabric and oracle stay hkvsim's. Every reason vLLM cannot run a sce
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ...pd.deployment import Deployment
