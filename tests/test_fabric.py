@@ -395,6 +395,38 @@ def test_link_segments_include_open_segments() -> None:
     assert all(s.nbytes == approx(BW * 0.25e-3, rel=1e-9) for s in segs)
 
 
+
+def _reallocations(descriptors: list[int]) -> tuple[int, list[Any], list[TransferTiming]]:
+    """Flows from one GPU to its node's other GPUs, posted at 0 by their destinations with
+    the given descriptor counts: (rate reallocations, link log, timings)."""
+    env, fab = new_fabric()
+    calls = [0]
+    reallocate = fab._reallocate
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        reallocate(*args, **kwargs)
+
+    fab._reallocate = counted  # type: ignore[method-assign]
+    timings = run_all(env, fab, [
+        dict(initiator=(0, g), src=(0, 0), dst=(0, g), nbytes=3_000_000, descriptors=d)
+        for g, d in zip((1, 2, 3), descriptors)])
+    return calls[0], fab.link_log, timings
+
+
+def test_flows_starting_at_one_instant_share_one_reallocation() -> None:
+    # three posts end together: the rates are computed once for the three new flows, and once
+    # more when they end together (issue #14: a request's transfers start as one batch)
+    calls, log, timings = _reallocations([1, 1, 1])
+    assert calls == 2
+    assert [t.wire_end for t in timings] == [approx(post(1) + 9_000_000 / BW)] * 3
+    tx = [(seg.flows, seg.rate, seg.t_start) for seg in log if seg.link == "n0g0.nvl.tx"]
+    assert tx == [(3, approx(BW), approx(post(1)))]  # no segment for the two-flow instant
+    # posts ending at different times: each start reallocates, as each end does
+    calls, _, timings = _reallocations([1, 2, 3])
+    assert calls == 6
+    assert sorted(t.wire_start for t in timings) == [approx(post(d)) for d in (1, 2, 3)]
+
 # ---------------------------------------------------------------- argument errors
 
 

@@ -645,10 +645,11 @@ class Fabric:
 
     def _start_flow(self, links: tuple[_Link, ...], nbytes: int, flight: "_Flight",
                     arm: bool = True) -> None:
-        """A flow of ``nbytes`` starts now on ``links``: reallocate the rates and log them;
-        ``arm``: re-arm the completion timer too (False: another flow starts at this instant
-        before anything else runs, and re-arms it for both; the timer it would replace would
-        have fired as a no-op)."""
+        """A flow of ``nbytes`` starts now on ``links``: reallocate the rates, log them and
+        re-arm the completion timer. ``arm`` False: another flow starts at this instant before
+        anything else runs, and does all three for both (the rates in between would hold for
+        no time: no bytes served, no segment logged, and the timer they armed would have been
+        replaced before it fired)."""
         self._advance()
         group = self._groups.get(links)
         if group is None:
@@ -660,7 +661,8 @@ class Fabric:
         group.push(self._fid, nbytes, flight)
         self._fid += 1
         self._nflows += 1
-        self._reallocate(arm=arm)
+        if arm:
+            self._reallocate()
 
     def _advance(self) -> None:
         """Move every active path's served-bytes clock forward to ``env.now``."""
