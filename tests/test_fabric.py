@@ -427,6 +427,19 @@ def test_flows_starting_at_one_instant_share_one_reallocation() -> None:
     assert calls == 6
     assert sorted(t.wire_start for t in timings) == [approx(post(d)) for d in (1, 2, 3)]
 
+
+def test_flows_ending_together_complete_in_start_order() -> None:
+    # equal flows on one link, posted at one instant in the order g3, g1, g2, end together;
+    # their transfers complete in the order their flows started, not in any other
+    env, fab = new_fabric()
+    order: list[int] = []
+    for g in (3, 1, 2):
+        ev = fab.transfer(initiator=(0, g), src=(0, 0), dst=(0, g), nbytes=50_000_000,
+                          descriptors=1)
+        ev.callbacks.append(lambda _ev, g=g: order.append(g))
+    env.run()
+    assert order == [3, 1, 2]
+
 # ---------------------------------------------------------------- argument errors
 
 
