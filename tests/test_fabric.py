@@ -440,6 +440,23 @@ def test_flows_ending_together_complete_in_start_order() -> None:
     env.run()
     assert order == [3, 1, 2]
 
+
+def test_link_segments_leave_out_segments_of_no_length() -> None:
+    # asked at the instant a flow starts, the links it opened have carried nothing yet: no
+    # segment of zero length (and no rate) is reported for them
+    env, fab = new_fabric()
+    fab.transfer(initiator=(0, 0), src=(0, 0), dst=(0, 1), nbytes=100_000_000, descriptors=1)
+    seen: list[Any] = []
+
+    def ask():  # type: ignore[no-untyped-def]
+        yield env.timeout(post(1))  # scheduled after the post's end: the flow has started
+        seen.append((fab.active_flows, fab.link_segments()))
+
+    env.process(ask())
+    env.run(until=post(1) + 1e-6)
+    assert seen == [(1, [])]
+    assert {s.link for s in fab.link_segments()} == {"n0g0.nvl.tx", "n0g1.nvl.rx"}
+
 # ---------------------------------------------------------------- argument errors
 
 
