@@ -164,6 +164,8 @@ def test_notifications_free_prefill_before_its_lease() -> None:
     h.event(Message(("prefill0", 1), f"{read.prefill_request_id}:1".encode()))
     assert not h.coord.holds() and h.coord.engine("prefill0").pool.used == 0
     assert not h.coord.records[0].freed_by_lease
+    assert h.coord.counters["notifications"] == 2
+    assert h.coord.counters["late_notifications"] == 0
 
 
 def test_heartbeats_extend_the_lease_while_decode_loads() -> None:
@@ -224,6 +226,32 @@ def test_push_registration_matches_in_either_order(registration_first: bool) -> 
     h.event(Message(("decode0", 0), f"{h.coord.records[0].request_id}:1".encode()))
     assert h.coord.records[0].status == "ok"
     assert not h.coord.holds()  # every WRITE DONE: prefill freed without waiting
+    assert h.coord.counters["notifications"] == 1  # decode's one rank counted prefill's
+
+
+@pytest.mark.parametrize("preset, hybrid", [("tiny-llama", False), ("tiny-kimi-linear", True)])
+def test_decode_verifies_what_it_loaded_then_computes_the_last_prompt_token(
+        preset: str, hybrid: bool) -> None:
+    """Every decode rank checks tokens [0, load) (with the state after them, for a model with
+    state) and then writes token N itself: the KV of prompt token N-1 (0-based) and the state
+    after N tokens, as decode's forward pass of the last prompt token does."""
+    h = _harness(preset=preset, d_tp=2)
+    h.start()
+    for read in h.of(StartRead):
+        h.event(Outcome(read.rank, _ok(read.op.read.request_id)))
+    verifies = h.of(Verify)
+    assert sorted(c.rank for c in verifies) == [("decode0", 0), ("decode0", 1)]
+    rec = h.coord.records[0]
+    assert rec.prompt_tokens == 700
+    load = h.coord.dep.decode_load_tokens(700)
+    assert load == (699 if hybrid else 700)
+    for call in verifies:
+        op = call.op
+        assert op.tokens == (0, load)
+        assert op.state_step == (load if hybrid else None)
+        assert op.compute == (699, 700)
+        assert op.compute_step == (700 if hybrid else None)
+    assert rec.status == "ok"
 
 
 def test_watchdog_on_a_slow_transfer_never_frees_blocks_under_it() -> None:
