@@ -349,3 +349,39 @@ phase = "{phase}"
     assert len(found) == warned
     if warned:
         assert phase.replace("-", " ") in found[0] and "lease" in found[0]
+
+
+def _plan(**fault: object):
+    from hkvsim.faults import FaultPlan
+    from hkvsim.scenario import Fault
+
+    return FaultPlan([Fault(**fault)], seed=0, transfer_timeout=1.0)
+
+
+def test_a_fault_aimed_at_an_engine_hits_only_that_engines_transfers() -> None:
+    """An engine target (no rank) matches every rank of that engine, on either side of the
+    post, and nothing else."""
+    plan = _plan(kind="fail-transfer", engine="prefill0")
+    hit = plan.on_post(now=0.0, initiator="decode0.0", remote="prefill0.1", notif=b"")
+    assert hit is not None and hit.kind == "fail"
+    assert plan.on_post(now=0.0, initiator="prefill0.0", remote="decode0.0", notif=b"")
+    assert plan.on_post(now=0.0, initiator="decode0.0", remote="prefill1.0", notif=b"") is None
+    assert plan.on_post(now=0.0, initiator="decode1.1", remote="prefill10.0", notif=b"") is None
+    ranked = _plan(kind="fail-transfer", rank=1)
+    assert ranked.on_post(now=0.0, initiator="decode0.0", remote="prefill0.1", notif=b"")
+    assert ranked.on_post(now=0.0, initiator="decode0.0", remote="prefill0.0", notif=b"") is None
+    assert plan.injected == {"fail-transfer": 2} and ranked.injected == {"fail-transfer": 1}
+
+
+def test_a_timed_fault_hits_in_its_window_only() -> None:
+    """``at_seconds`` starts the window (inclusive), ``duration_seconds`` ends it (exclusive);
+    without a duration the window never closes."""
+    def slowed(plan, now: float) -> bool:
+        fault = plan.on_post(now=now, initiator="decode0.0", remote="prefill0.0", notif=b"")
+        return fault is not None and fault.kind == "slow" and fault.factor == 4.0
+
+    windowed = _plan(kind="slow-link", at_seconds=2.0, duration_seconds=1.0, factor=4.0)
+    assert [slowed(windowed, t) for t in (1.999, 2.0, 2.5, 2.999, 3.0, 10.0)] == [
+        False, True, True, True, False, False]
+    open_ended = _plan(kind="slow-link", at_seconds=2.0, factor=4.0)
+    assert [slowed(open_ended, t) for t in (1.999, 2.0, 1e6)] == [False, True, True]
