@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from hkvsim.cluster import run_scenario
 from hkvsim.connector.push import PUSH_PREFIX, PushRegistration, base_request_id
+from hkvsim.faults import FaultPlan
 from hkvsim.results import result_json
-from hkvsim.scenario import load_scenarios, parse_scenarios
+from hkvsim.scenario import Fault, load_scenarios, parse_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN_CLASSES = {"handshake_failed", "transfer_setup_failed", "transfer_failed",
@@ -351,10 +352,7 @@ phase = "{phase}"
         assert phase.replace("-", " ") in found[0] and "lease" in found[0]
 
 
-def _plan(**fault: object):
-    from hkvsim.faults import FaultPlan
-    from hkvsim.scenario import Fault
-
+def _plan(**fault: object) -> FaultPlan:
     return FaultPlan([Fault(**fault)], seed=0, transfer_timeout=1.0)
 
 
@@ -376,7 +374,7 @@ def test_a_fault_aimed_at_an_engine_hits_only_that_engines_transfers() -> None:
 def test_a_timed_fault_hits_in_its_window_only() -> None:
     """``at_seconds`` starts the window (inclusive), ``duration_seconds`` ends it (exclusive);
     without a duration the window never closes."""
-    def slowed(plan, now: float) -> bool:
+    def slowed(plan: FaultPlan, now: float) -> bool:
         fault = plan.on_post(now=now, initiator="decode0.0", remote="prefill0.0", notif=b"")
         return fault is not None and fault.kind == "slow" and fault.factor == 4.0
 
