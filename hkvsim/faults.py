@@ -1,9 +1,11 @@
 """Fault injection for the simulated fabric (``[[faults]]`` in a scenario).
 
 Each fault targets a request (by index), a rank (``engine`` and/or ``rank``), a time window
-(``at_seconds`` + ``duration_seconds``) or a probability; every random choice comes from a
-generator seeded by the scenario seed and the fault's position, so a scenario reproduces the
-same faults bit for bit.
+(from ``at_seconds``, ``window_seconds`` long; open-ended without it) or a probability; every
+random choice comes from a generator seeded by the scenario seed and the fault's position, so a
+scenario reproduces the same faults bit for bit. ``duration_seconds`` is only ever the delay,
+stall or lease of the kinds below; a target a kind does not use is refused when the scenario is
+read (:class:`hkvsim.scenario.Fault`).
 
 =====================  ==========================================================================
 kind                   effect
@@ -72,7 +74,7 @@ class FaultPlan:
             if not any(_agent_matches(a, f.engine, f.rank) for a in agents):
                 return False
         if f.at_seconds is not None:
-            end = f.at_seconds + (f.duration_seconds or float("inf"))
+            end = f.at_seconds + (f.window_seconds or float("inf"))
             if not f.at_seconds <= now < end:
                 return False
         if f.probability is not None:

@@ -100,6 +100,21 @@ FAULT_KINDS = (
     "kill-rank",
     "abort-request",
 )
+# The targets each fault kind honours; any other target given is refused, not ignored.
+# expire-lease-early and abort-request act on a request, not on a rank or a moment.
+_ALL_TARGETS = ("request", "engine", "rank", "at_seconds", "probability")
+FAULT_TARGETS = {kind: _ALL_TARGETS for kind in FAULT_KINDS} | {
+    "expire-lease-early": ("request", "probability"),
+    "abort-request": ("request", "probability"),
+}
+# What duration_seconds means for each kind that uses it (any other kind refuses it).
+FAULT_DURATIONS = {"delay-notification": "how late the notification arrives",
+                   "stall-transfer": "how long the transfer stays PROC",
+                   "expire-lease-early": "when prefill's lease expires"}
+# Kinds whose at_seconds opens a window (window_seconds long; open-ended without it). A timed
+# disconnect-peer / kill-rank is an instant: its agent dies at at_seconds.
+WINDOWED_FAULTS = ("drop-notification", "delay-notification", "fail-transfer", "stall-transfer",
+                   "slow-link")
 # where a fail-transfer fault strikes, and where an abort-request happens
 FAULT_PHASES = ("completion", "setup", "poll", "on-prefill", "before-scheduling",
                 "during-handshake", "mid-transfer", "after-completion")
@@ -648,7 +663,8 @@ class Fault(_Section):
     rank: Annotated[int, Strict(), Field(ge=0)] | None = None
     at_seconds: Annotated[float, Strict(), Field(ge=0)] | None = None
     probability: Annotated[float, Strict(), Field(ge=0, le=1)] | None = None
-    duration_seconds: PositiveFloat | None = None
+    window_seconds: PositiveFloat | None = None  # the at_seconds window's length
+    duration_seconds: PositiveFloat | None = None  # the delay / stall / lease (FAULT_DURATIONS)
     factor: PositiveFloat | None = None
     # fail-transfer: "completion" (state ERR, default), "setup" (creating/posting raises) or
     # "poll" (polling raises); abort-request: "on-prefill", "before-scheduling",
@@ -672,6 +688,37 @@ class Fault(_Section):
                 "at_seconds, probability",
                 show_input=False,
             )
+        honoured = FAULT_TARGETS[self.kind]
+        for name in _ALL_TARGETS:
+            if getattr(self, name) is not None and name not in honoured:
+                raise _err(f"{self.kind} acts on a request, not on a rank or a moment: {name} "
+                           f"would be ignored", allowed=", ".join(honoured), key=name,
+                           show_input=False)
+        if self.kind in ("disconnect-peer", "kill-rank") and self.at_seconds is not None:
+            for name in ("request", "probability"):
+                if getattr(self, name) is not None:
+                    raise _err(f"a timed {self.kind} (at_seconds) kills its engine/rank at that "
+                               f"moment, for every request: {name} would be ignored",
+                               allowed="at_seconds with engine and/or rank; or request / "
+                               "probability without at_seconds", key=name, show_input=False)
+            if self.engine is None and self.rank is None:
+                raise _err(f"a timed {self.kind} needs engine and/or rank: which agent dies at "
+                           f"at_seconds", key="at_seconds", show_input=False)
+        if self.window_seconds is not None and (
+                self.kind not in WINDOWED_FAULTS or self.at_seconds is None):
+            raise _err(f"window_seconds is the length of the window that at_seconds opens, for "
+                       f"kinds {', '.join(WINDOWED_FAULTS)}",
+                       allowed="window_seconds with at_seconds, on one of those kinds",
+                       key="window_seconds", show_input=False)
+        if self.duration_seconds is not None and self.kind not in FAULT_DURATIONS:
+            hint = ("; the window after at_seconds is window_seconds"
+                    if self.kind in WINDOWED_FAULTS else "")
+            raise _err(f"duration_seconds does not apply to kind {self.kind!r}{hint}",
+                       allowed=", ".join(f"{k} ({v})" for k, v in FAULT_DURATIONS.items()),
+                       key="duration_seconds", show_input=False)
+        if self.factor is not None and self.kind != "slow-link":
+            raise _err(f"factor (the bandwidth divisor) applies only to slow-link, not to "
+                       f"{self.kind!r}", key="factor", show_input=False)
         return self
 
 
@@ -714,6 +761,9 @@ class ScenarioDocument(_Section):
     @model_validator(mode="after")
     def _cross_section(self) -> ScenarioDocument:
         requests = self.workload.num_requests
+        engines = {f"{role}{i}": section.tp
+                   for role, section in (("prefill", self.prefill), ("decode", self.decode))
+                   for i in range(section.instances)}
         for i, fault in enumerate(self.faults):
             if fault.request is not None and fault.request >= requests:
                 raise _err(
@@ -722,6 +772,17 @@ class ScenarioDocument(_Section):
                     key=f"faults[{i}].request",
                     show_input=False,
                 )
+            if fault.engine is not None and fault.engine not in engines:
+                raise _err(f"engine {fault.engine!r} does not exist in this deployment, so the "
+                           f"fault could never hit", allowed=", ".join(engines),
+                           key=f"faults[{i}].engine", show_input=False)
+            ranks = engines[fault.engine] if fault.engine is not None else max(engines.values())
+            if fault.rank is not None and fault.rank >= ranks:
+                where = fault.engine or "any engine"
+                raise _err(f"rank {fault.rank} does not exist in {where} (TP {ranks}), so the "
+                           f"fault could never hit",
+                           allowed=f"0 to {ranks - 1}" if ranks > 1 else "0",
+                           key=f"faults[{i}].rank", show_input=False)
         trace = self.workload.replayed_trace()
         hits = self.workload.prefix_hit_tokens
         if trace is not None:

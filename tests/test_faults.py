@@ -372,14 +372,38 @@ def test_a_fault_aimed_at_an_engine_hits_only_that_engines_transfers() -> None:
 
 
 def test_a_timed_fault_hits_in_its_window_only() -> None:
-    """``at_seconds`` starts the window (inclusive), ``duration_seconds`` ends it (exclusive);
-    without a duration the window never closes."""
+    """``at_seconds`` starts the window (inclusive), ``window_seconds`` ends it (exclusive);
+    without a length the window never closes."""
     def slowed(plan: FaultPlan, now: float) -> bool:
         fault = plan.on_post(now=now, initiator="decode0.0", remote="prefill0.0", notif=b"")
         return fault is not None and fault.kind == "slow" and fault.factor == 4.0
 
-    windowed = _plan(kind="slow-link", at_seconds=2.0, duration_seconds=1.0, factor=4.0)
+    windowed = _plan(kind="slow-link", at_seconds=2.0, window_seconds=1.0, factor=4.0)
     assert [slowed(windowed, t) for t in (1.999, 2.0, 2.5, 2.999, 3.0, 10.0)] == [
         False, True, True, True, False, False]
     open_ended = _plan(kind="slow-link", at_seconds=2.0, factor=4.0)
     assert [slowed(open_ended, t) for t in (1.999, 2.0, 1e6)] == [False, True, True]
+
+
+def test_a_timed_delay_keeps_its_window_and_its_delay_apart() -> None:
+    """With ``at_seconds``, ``window_seconds`` bounds when notifications are hit and
+    ``duration_seconds`` is how late each one arrives: one number must not serve as both."""
+    plan = _plan(kind="delay-notification", at_seconds=1.0, window_seconds=0.5,
+                 duration_seconds=3.0)
+    delays = [plan.on_message(now=t, src="prefill0.0", dst="decode0.0", message=b"req-0-x:1")
+              for t in (0.999, 1.0, 1.499, 1.5, 3.9)]
+    assert delays == [None, 3.0, 3.0, None, None]
+    open_ended = _plan(kind="delay-notification", at_seconds=1.0, duration_seconds=3.0)
+    assert open_ended.on_message(now=3.9, src="prefill0.0", dst="decode0.0",
+                                 message=b"req-0-x:1") == 3.0
+
+
+def test_faults_aimed_at_ranks_that_exist_are_accepted() -> None:
+    """The deployment check refuses only engines and ranks that do not exist: the last rank of
+    the last instance, and a rank that only the larger engine has, both parse."""
+    text = ('[scenario]\nname = "n"\n[model]\npreset = "tiny-llama"\n[decode]\ntp = 2\n'
+            'instances = 2\n[workload]\nrequests = 2\nprompt_tokens = 100\n'
+            '[[faults]]\nkind = "slow-link"\nengine = "decode1"\nrank = 1\n'
+            '[[faults]]\nkind = "kill-rank"\nrank = 1\nat_seconds = 0.5\n')
+    (scenario,) = parse_scenarios(text, source="ok.toml")
+    assert [(f.engine, f.rank) for f in scenario.faults] == [("decode1", 1), (None, 1)]

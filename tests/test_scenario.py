@@ -319,6 +319,78 @@ def test_hf_config_must_exist(tmp_path: Path) -> None:
             id="probability-above-one",
         ),
         pytest.param(
+            MINIMAL + "[[faults]]\nkind = \"expire-lease-early\"\nengine = \"prefill0\"\n",
+            "case.toml: faults[0].engine: expire-lease-early acts on a request, not on a rank or "
+            "a moment: engine would be ignored", ["allowed: request, probability"],
+            id="lease-fault-aimed-at-an-engine",
+        ),
+        pytest.param(
+            MINIMAL + "[[faults]]\nkind = \"abort-request\"\nat_seconds = 1.0\n",
+            "case.toml: faults[0].at_seconds: abort-request acts on a request", [],
+            id="abort-fault-aimed-at-a-moment",
+        ),
+        pytest.param(
+            MINIMAL + "[[faults]]\nkind = \"kill-rank\"\nat_seconds = 1.0\nrequest = 1\n"
+            "engine = \"prefill0\"\n",
+            "case.toml: faults[0].request: a timed kill-rank (at_seconds) kills its engine/rank "
+            "at that moment, for every request: request would be ignored", [],
+            id="timed-kill-with-a-request",
+        ),
+        pytest.param(
+            MINIMAL + "[[faults]]\nkind = \"disconnect-peer\"\nat_seconds = 1.0\n"
+            "probability = 0.5\nrank = 0\n",
+            "case.toml: faults[0].probability: a timed disconnect-peer", [],
+            id="timed-disconnect-with-a-probability",
+        ),
+        pytest.param(
+            MINIMAL + "[[faults]]\nkind = \"kill-rank\"\nat_seconds = 1.0\n",
+            "case.toml: faults[0].at_seconds: a timed kill-rank needs engine and/or rank", [],
+            id="timed-kill-of-no-one",
+        ),
+        pytest.param(
+            MINIMAL + "[[faults]]\nkind = \"kill-rank\"\nat_seconds = 1.0\nrank = 0\n"
+            "window_seconds = 2.0\n",
+            "case.toml: faults[0].window_seconds: window_seconds is the length of the window "
+            "that at_seconds opens", ["allowed: window_seconds with at_seconds"],
+            id="window-on-an-instant",
+        ),
+        pytest.param(
+            MINIMAL + "[[faults]]\nkind = \"slow-link\"\nrequest = 1\nwindow_seconds = 2.0\n",
+            "case.toml: faults[0].window_seconds: window_seconds is the length", [],
+            id="window-without-a-start",
+        ),
+        pytest.param(
+            MINIMAL + "[[faults]]\nkind = \"slow-link\"\nat_seconds = 1.0\n"
+            "duration_seconds = 2.0\n",
+            "case.toml: faults[0].duration_seconds: duration_seconds does not apply to kind "
+            "'slow-link'; the window after at_seconds is window_seconds",
+            ["delay-notification (how late the notification arrives)"],
+            id="duration-as-a-window",
+        ),
+        pytest.param(
+            MINIMAL + "[[faults]]\nkind = \"fail-transfer\"\nrequest = 1\nfactor = 2.0\n",
+            "case.toml: faults[0].factor: factor (the bandwidth divisor) applies only to "
+            "slow-link", [], id="factor-on-a-failure",
+        ),
+        pytest.param(
+            MINIMAL + "[decode]\ninstances = 2\n[[faults]]\nkind = \"slow-link\"\n"
+            "engine = \"decode2\"\n",
+            "case.toml: faults[0].engine: engine 'decode2' does not exist in this deployment, "
+            "so the fault could never hit", ["allowed: prefill0, decode0, decode1"],
+            id="fault-engine-that-does-not-exist",
+        ),
+        pytest.param(
+            MINIMAL + "[decode]\ntp = 2\n[[faults]]\nkind = \"slow-link\"\n"
+            "engine = \"prefill0\"\nrank = 1\n",
+            "case.toml: faults[0].rank: rank 1 does not exist in prefill0 (TP 1)",
+            [], id="fault-rank-beyond-its-engines-tp",
+        ),
+        pytest.param(
+            MINIMAL + "[decode]\ntp = 2\n[[faults]]\nkind = \"slow-link\"\nrank = 2\n",
+            "case.toml: faults[0].rank: rank 2 does not exist in any engine (TP 2)",
+            ["allowed: 0 to 1"], id="fault-rank-beyond-every-tp",
+        ),
+        pytest.param(
             MINIMAL + "[connector]\nlease_seconds = inf\n",
             "case.toml: connector.lease_seconds: expected a finite number", [],
             id="infinite-float",
@@ -353,6 +425,14 @@ def test_error_names_file_and_key(text: str, prefix: str, needles: list[str]) ->
     assert message.startswith(prefix), message
     for needle in needles:
         assert needle in message, message
+
+
+def test_a_fault_rank_error_lists_the_ranks_that_exist() -> None:
+    one = (MINIMAL + "[decode]\ntp = 4\n[[faults]]\nkind = \"slow-link\"\n"
+           "engine = \"%s\"\nrank = 5\n")
+    assert error_of(one % "prefill0").endswith("(TP 1), so the fault could never hit; allowed: 0")
+    assert error_of(one % "decode0").endswith("(TP 4), so the fault could never hit; "
+                                              "allowed: 0 to 3")
 
 
 def test_long_values_are_truncated() -> None:

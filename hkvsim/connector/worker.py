@@ -674,7 +674,8 @@ class ConnectorWorker:
     def _release_quietly(self, handle: int, request_id: str) -> bool:
         """Release a handle; one that cannot be released yet is kept and retried on every poll
         until it is terminal (docs/semantics.md §9.2: DMA may still be live). While it is kept, the
-        request's destination blocks must not be reused (``live_handles``)."""
+        request's destination blocks must not be reused (``RequestOutcome.unreleased``; the
+        request is listed by ``take_released`` once its last such handle is released)."""
         try:
             self.transport.release_xfer_handle(handle)
         except TransportError:
@@ -694,14 +695,6 @@ class ConnectorWorker:
                 state = ERR
             if state != PROC:
                 self._release_quietly(handle, rid)
-
-    def live_handles(self, request_id: str) -> int:
-        """Transfers of ``request_id`` that may still move bytes: posted and not yet terminal,
-        or terminated by the connector (failure, abort, watchdog) but not releasable yet. A
-        driver must not reuse the request's destination blocks while this is non-zero."""
-        flight = self._in_flight.get(request_id)
-        posted = len(flight.handles) if flight is not None else 0
-        return posted + self._unreleased(request_id)
 
     def take_released(self) -> list[str]:
         """Requests whose last unreleasable handle was released since the last call (their

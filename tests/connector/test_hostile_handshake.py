@@ -210,3 +210,24 @@ def test_the_simulator_reports_a_hostile_payload_as_a_handshake_error(monkeypatc
     assert result.outcome == "handshake-error"
     assert result.handshake_errors and needle in result.handshake_errors[0], result.handshake_errors
     assert all(r.failure_class == "handshake_failed" for r in result.records)
+
+
+def test_a_refused_handshake_keeps_the_agents_another_engine_uses(setups):
+    """A payload naming agents this worker already talks to (the same prefill ranks announced
+    again under another engine id: a restarted router, or a hostile peer) and then refused must
+    not remove those agents: the engine that owns them keeps transferring."""
+    setup = setups[KIMI_FAN_IN]
+    setup.worker.connect(setup.remote_engine, setup.payloads)
+    try:
+        connected = setup.worker.transport.resources()
+        payloads = {rank: _edit(payload, engine_id="impostor")
+                    for rank, payload in setup.payloads.items()}
+        payloads[3] = _edit(payloads[3], base_addrs=lambda v: [a + (1 << 36) for a in v])
+        with pytest.raises(HandshakeError) as exc:
+            setup.worker.connect("impostor", payloads)
+        assert exc.value.rule == "V8" and "preparing the remote list" in str(exc.value)
+        assert setup.worker.transport.resources() == connected
+        assert setup.worker.is_connected(setup.remote_engine)
+        assert not setup.worker.is_connected("impostor")
+    finally:
+        setup.worker.evict(setup.remote_engine)
