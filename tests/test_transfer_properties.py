@@ -144,6 +144,8 @@ FAULT_KINDS = ["drop-notification", "delay-notification", "fail-transfer", "stal
 PHASES = {"fail-transfer": ["completion", "setup", "poll"],
           "abort-request": ["on-prefill", "before-scheduling", "during-handshake",
                             "mid-transfer", "after-completion"]}
+#: kinds that act on a request, not on a rank (a rank target is refused for them)
+REQUEST_ONLY_KINDS = ("expire-lease-early", "abort-request")
 #: every fault kind, and every phase of the kinds that have them
 FAULT_CASES = [(kind, phase) for kind in FAULT_KINDS for phase in PHASES.get(kind, [None])]
 
@@ -166,11 +168,15 @@ def faulty_deployments(draw: st.DrawFn, kind: str, phase: str | None) -> str:
     text = text.replace("[connector]\n", f'[connector]\nlease_seconds = {lease}\n'
                         f'transfer_timeout_seconds = {timeout}\n'
                         f'kv_load_failure_policy = "{policy}"\n')
-    targets = st.sampled_from([f"request = {draw(st.integers(0, requests - 1))}",
-                               "probability = 0.5", "rank = 0\nprobability = 1.0"])
-    text += _fault(kind, phase, draw(targets))
+    request = f"request = {draw(st.integers(0, requests - 1))}"
+
+    def target(of: str) -> str:  # a rank target only for the kinds that act on ranks
+        return draw(st.sampled_from([request, "probability = 0.5"] + (
+            [] if of in REQUEST_ONLY_KINDS else ["rank = 0\nprobability = 1.0"])))
+
+    text += _fault(kind, phase, target(kind))
     for other, other_phase in draw(st.lists(st.sampled_from(FAULT_CASES), max_size=2)):
-        text += _fault(other, other_phase, draw(targets))
+        text += _fault(other, other_phase, target(other))
     return text
 
 
