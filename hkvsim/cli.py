@@ -228,6 +228,8 @@ def _bytes_line(req: dict[str, Any], verification: str) -> str:
     """What the oracle says, never more: 'not verified' when it did not run."""
     if verification == "timing-only":
         return "bytes [yellow]not verified[/] (timing-only)"
+    if verification == "nothing-checked":
+        return "bytes [yellow]not verified[/]: no request completed, nothing reached the oracle"
     text = f"bytes verified: {req['byte_exact']} request(s) byte-exact"
     if req["corrupted"]:
         text += f", [red]{req['corrupted']} corrupted[/] (reported successful with wrong bytes)"
@@ -326,6 +328,8 @@ def _sweep_table(data: list[dict[str, Any]], scenarios: list[Any], *, shard: str
             if point else row["scenario"]
         if row["verification"] == "timing-only":
             checked = "not verified"
+        elif row["verification"] == "nothing-checked":
+            checked = "nothing checked"
         elif row["corrupted"] or row["mismatched_bytes"]:
             checked = f"[red]{row['corrupted']} corrupted[/]"
         else:

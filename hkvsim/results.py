@@ -111,11 +111,17 @@ def descriptor_counts(requests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def verification(result: RunResult) -> str:
-    """What the oracle says about a run: ``verified`` (it checked every completed request and
-    found no wrong byte), ``failed`` (it found wrong bytes) or ``timing-only`` (it did not run)."""
+    """What the oracle says about a run: ``verified`` (it checked every completed request, at
+    least one, and found no wrong byte), ``failed`` (it found wrong bytes), ``nothing-checked``
+    (it ran, but no request completed, so no byte reached it: a refused handshake, every request
+    failed) or ``timing-only`` (it did not run)."""
     if not result.verified:
         return "timing-only"
-    return "failed" if result.mismatched_bytes else "verified"
+    if result.mismatched_bytes:
+        return "failed"
+    if not any(r.status == "ok" for r in result.records):
+        return "nothing-checked"
+    return "verified"
 
 
 def clock(result: RunResult) -> str:

@@ -139,7 +139,8 @@ def test_report_of_a_corrupting_run_exits_1_and_says_what_the_oracle_found(tmp_p
     code, text, data = _report(tmp_path, _file(tmp_path, body))
     assert code == 1
     assert "verified every byte" not in text and "found no wrong byte" not in text
-    assert "The oracle found wrong bytes in 2 of the 2 variants" in text
+    assert ("The oracle found wrong bytes in 2 of the 2 variants** (see Problems); 0 were "
+            "verified with no wrong byte.\n") in text
     assert "## Problems" in text and "corruption" in text and "state never arrived" in text
     assert data["expectation_met"] is False
     assert [v["verification"] for v in data["variants"]] == ["failed", "failed"]
@@ -185,8 +186,51 @@ def test_timing_only_report_says_nothing_was_verified(tmp_path) -> None:
     code, text, data = _report(tmp_path, path, extra=("--timing-only",))
     assert code == 1  # [expect] byte_exact = true (the default) cannot be met
     assert "No byte was verified" in text and "oracle checked every byte" not in text
+    assert "all 1 variants ran timing-only" in text
     assert [v["verification"] for v in data["variants"]] == ["timing-only"]
     assert data["variants"][0]["mismatched_bytes"] is None
     path.write_text(TINY.format(name="t") + "[expect]\nbyte_exact = false\n")
     code, text, _ = _report(tmp_path, path, extra=("--timing-only",))
     assert code == 0 and "No byte was verified" in text
+
+
+# ---- a run where no request completed checked nothing, and says so ------------------------------
+# prefill and decode of a model with attention heads disagree on the KV cache layout: the
+# handshake is refused (V5), every request fails, and not one byte reaches the oracle
+REFUSED = TINY.replace("tiny-kimi-linear", "tiny-llama").replace(
+    "[prefill]\ntp = 1\n", '[prefill]\ntp = 1\nkv_cache_layout = "NHD"\n')
+
+
+def test_a_run_where_no_request_completed_is_not_called_verified(tmp_path, capsys) -> None:
+    body = REFUSED.format(name="refused") + (
+        '[expect]\noutcome = "handshake-error"\nerror_match = "V5"\n')
+    path = _file(tmp_path, body)
+    code, data = _run_json(capsys, "run", str(path))
+    assert code == 0 and data["outcome"] == "handshake-error"  # as expected: that is not the lie
+    assert data["requests"]["completed"] == 0
+    assert data["verification"] == "nothing-checked"
+    assert main(["run", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "not verified" in text and "nothing reached the oracle" in text
+    code, text, report = _report(tmp_path, path)
+    assert code == 0
+    assert ("**No byte was verified**: of the 1 variants, 1 completed no request, so no byte "
+            "reached the oracle (see Problems).\n") in text
+    assert report["verification"] == {"verified": 0, "nothing-checked": 1, "timing-only": 0,
+                                      "failed": 0}
+    assert [v["verification"] for v in report["variants"]] == ["nothing-checked"]
+
+
+def test_a_sweep_says_which_variants_checked_nothing(tmp_path) -> None:
+    """One variant completes its requests (verified), the other is refused (nothing checked):
+    the page counts them apart and does not say every variant was checked."""
+    body = TINY.replace("tiny-kimi-linear", "tiny-llama").format(name="mixed") + (
+        '[sweep]\nprefill.kv_cache_layout = ["HND", "NHD"]\n')
+    code, text, report = _report(tmp_path, _file(tmp_path, body))
+    assert code == 1  # the NHD variant's outcome is handshake-error, not ok
+    assert [v["verification"] for v in report["variants"]] == ["verified", "nothing-checked"]
+    assert ("1 of the 2 variants were verified byte for byte by the oracle (no wrong byte); of "
+            "the others, 1 completed no request, so no byte reached the oracle") in text
+    assert "in all 2 variants" not in text
+    sentence = next(line for line in text.splitlines() if line.startswith("**Verification.**"))
+    assert "timing-only" not in sentence, sentence

@@ -89,7 +89,7 @@ def _round(x: float | None) -> float | None:
 
 def _verification_counts(variants: list[Variant]) -> dict[str, int]:
     return {k: sum(v.verification == k for v in variants)
-            for k in ("verified", "timing-only", "failed")}
+            for k in ("verified", "nothing-checked", "timing-only", "failed")}
 
 
 def _report_json(title: str, command: str, variants: list[Variant], rows: list[dict[str, Any]],

@@ -40,8 +40,9 @@ class Variant:
     profile: str
     outcome: str
     expectation_met: bool
-    # what the oracle says: "verified" (no wrong byte in any completed request), "failed" (wrong
-    # bytes found) or "timing-only" (it did not run: nothing was checked)
+    # what the oracle says: "verified" (no wrong byte in any completed request, at least one),
+    # "failed" (wrong bytes found), "nothing-checked" (it ran, but no request completed) or
+    # "timing-only" (it did not run: nothing was checked)
     verification: str
     mismatched_bytes: int | None  # None: not verified
     sim_seconds: float  # elapsed time of the run, on ``clock``
@@ -143,7 +144,8 @@ def _from_json_entry(data: dict[str, Any]) -> dict[str, Any]:
         corrupted = sum(r["status"] == "ok" and r["mismatched_words"] > 0
                         for r in data["request_details"])
     verification = data.get("verification") or (
-        "timing-only" if not verified else "failed" if mismatched else "verified")
+        "timing-only" if not verified else "failed" if mismatched
+        else "nothing-checked" if not data["requests"].get("completed") else "verified")
     t = data["time"]
     return dict(outcome=data["outcome"], expectation_met=bool(data.get("expectation_met", True)),
                 expectation_problems=list(data.get("expectation_problems", [])),

@@ -38,6 +38,8 @@ def verification_text(v: Variant) -> str:
     """One variant's verification, as the tables show it."""
     if v.verification == "timing-only":
         return "timing-only (not checked)"
+    if v.verification == "nothing-checked":
+        return "nothing checked (no request completed)"
     if v.verification == "failed":
         parts = [f"{v.corrupted} corrupted" if v.corrupted else "",
                  f"{v.mismatched_bytes:,} B wrong" if v.mismatched_bytes else ""]
@@ -124,24 +126,34 @@ def _verification_sentence(variants: list[Variant]) -> str:
     n = len(variants)
     checked = [v for v in variants if v.verification == "verified"]
     failed = [v for v in variants if v.verification == "failed"]
-    skipped = n - len(checked) - len(failed)
-    incomplete = sum(len(v.requests) - len(v.ok_requests()) for v in variants if v.verified)
+    empty = [v for v in variants if v.verification == "nothing-checked"]
+    skipped = n - len(checked) - len(failed) - len(empty)
+    incomplete = sum(len(v.requests) - len(v.ok_requests()) for v in checked)
     tail = (f" ({incomplete} request(s) of verified variants did not complete, so they moved "
             f"nothing the oracle could check: see Problems)" if incomplete else "")
+    others = []
+    if empty:
+        others.append(f"{len(empty)} completed no request, so no byte reached the oracle (see "
+                      f"Problems)")
+    if skipped:
+        others.append(f"{skipped} ran timing-only and were not checked (descriptor counts, "
+                      f"bytes and simulated times are the same either way)")
+    rest = "; ".join(others)
     if failed:
         return (f"**The oracle found wrong bytes in {len(failed)} of the {n} variants** (see "
-                f"Problems); {len(checked)} were verified with no wrong byte and {skipped} ran "
-                f"timing-only (not checked).")
-    if not skipped:
+                f"Problems); {len(checked)} were verified with no wrong byte"
+                + (f"; {rest}." if rest else "."))
+    if not others:
         return (f"The oracle checked every byte of every completed request in all {n} variants "
                 f"and found no wrong byte{tail}.")
     if not checked:
-        return (f"**No byte was verified**: all {n} variants ran timing-only (descriptor "
-                f"counts, bytes and simulated times are the same as with verification, but "
-                f"nothing was checked).")
+        if not empty:
+            return (f"**No byte was verified**: all {n} variants ran timing-only (descriptor "
+                    f"counts, bytes and simulated times are the same as with verification, but "
+                    f"nothing was checked).")
+        return f"**No byte was verified**: of the {n} variants, {rest}."
     return (f"{len(checked)} of the {n} variants were verified byte for byte by the oracle (no "
-            f"wrong byte){tail}; the other {skipped} ran timing-only and were not checked "
-            f"(descriptor counts, bytes and simulated times are the same either way).")
+            f"wrong byte){tail}; of the others, {rest}.")
 
 
 def _problems(variants: list[Variant], limit: int = 20) -> str:
@@ -476,6 +488,8 @@ def _axis_section(axis: dict[str, Any], figure: str | None, limit: int = 60) -> 
             flags = [x for x in (c["outcome"] if c["outcome"] != "ok" else "",
                                  "FAILED verification" if c["verification"] == "failed" else "",
                                  "not verified" if c["verification"] == "timing-only" else "",
+                                 "nothing checked" if c["verification"] == "nothing-checked"
+                                 else "",
                                  "expectation NOT met" if not c["expectation_met"] else "") if x]
             if flags:
                 text += " — " + ", ".join(flags)
