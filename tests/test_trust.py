@@ -14,6 +14,7 @@ import pytest
 
 from hkvsim.cli import main
 from hkvsim.cluster import run_scenario
+from hkvsim.results import result_json
 from hkvsim.scenario import load_scenarios
 
 pytestmark = pytest.mark.timeout(120)
@@ -234,3 +235,48 @@ def test_a_sweep_says_which_variants_checked_nothing(tmp_path) -> None:
     assert "in all 2 variants" not in text
     sentence = next(line for line in text.splitlines() if line.startswith("**Verification.**"))
     assert "timing-only" not in sentence, sentence
+
+
+# ---- [expect]: each check judges what it names ---------------------------------------------------
+def _expect(tmp_path: Path, capsys: pytest.CaptureFixture, expect: str) -> dict:
+    """MIXED (request 1's transfer fails, request 0 completes with wrong bytes) under ``expect``."""
+    body = MIXED.format(name="mixed").split("[expect]")[0] + "[expect]\n" + expect
+    _, data = _run_json(capsys, "run", str(_file(tmp_path, body)))
+    return data
+
+
+def test_expected_wrong_bytes_leave_the_rest_of_the_outcome_to_judge(tmp_path, capsys) -> None:
+    """byte_exact = false: the corruption is expected, so the outcome judged is the one besides
+    it (a request failed); the corrupted request is still reported."""
+    data = _expect(tmp_path, capsys, 'outcome = "request-failure"\nbyte_exact = false\n')
+    assert data["outcome"] == "corruption" and data["requests"]["corrupted"] == 1
+    assert data["expectation_met"], data["expectation_problems"]
+    data = _expect(tmp_path, capsys, 'outcome = "ok"\nbyte_exact = false\n')
+    assert not data["expectation_met"]
+    assert data["expectation_problems"][0].startswith(
+        "outcome is 'request-failure', expected 'ok': request 1 transfer_failed: injected")
+
+
+def test_reason_and_error_match_judge_the_failed_requests_only(tmp_path, capsys) -> None:
+    met = _expect(tmp_path, capsys, 'outcome = "request-failure"\nbyte_exact = false\n'
+                  'reason = "transfer_failed"\nerror_match = "^transfer_failed: injected"\n')
+    assert met["expectation_met"], met["expectation_problems"]
+    unmet = _expect(tmp_path, capsys, 'outcome = "request-failure"\nbyte_exact = false\n'
+                    'reason = "stall"\nerror_match = "stall"\n')
+    assert unmet["expectation_problems"] == [
+        "error does not match /stall/: transfer_failed: injected transfer failure (state ERR)",
+        "request 1 failed with 'transfer_failed', expected 'stall'"]
+
+
+def test_one_wrong_word_makes_a_completed_request_corrupted(tmp_path) -> None:
+    """The smallest corruption the oracle reports (one 8-byte word of one completed request)
+    turns the run into a corruption: counted, failed verification, expectation not met."""
+    (scenario,) = load_scenarios(_file(tmp_path, TINY.format(name="one word")))
+    result = run_scenario(scenario)
+    assert result.outcome == "ok" and result.corrupted == 0
+    result.records[0].mismatched_words = 1
+    data = result_json(result)
+    assert data["outcome"] == "corruption" and data["verification"] == "failed"
+    assert data["requests"]["corrupted"] == 1 and data["requests"]["mismatched_bytes"] == 8
+    assert data["requests"]["byte_exact"] == 1
+    assert not data["expectation_met"]
