@@ -17,7 +17,8 @@ quirk names) are read from those modules, never copied here. Values whose meanin
 later (``attention_backend``, fabric override names, the fabric profile) are only type-checked.
 
 Sweeps: ``[sweep]`` maps dotted keys of the schema to non-empty lists. ``mode = "product"``
-(default) takes the cartesian product in file order (the first key varies slowest);
+(default) takes the cartesian product, the first key varying slowest, in the order TOML reads
+the keys: by section in order of first appearance, then in file order within a section;
 ``mode = "zip"`` pairs the lists element-wise (equal lengths required). Each variant is the base
 document with its values substituted, validated on its own, named ``"<name> [k=v, ...]"`` and
 carrying ``sweep_point = {k: v, ...}``. Every variant keeps the file's seed. A sweepable key is

@@ -817,3 +817,15 @@ def test_expected_counts_of_zero_are_checked_not_ignored() -> None:
     for key in counts:
         message = error_of(MINIMAL + f"\n[expect]\n{key} = -1\n")
         assert f"expect.{key}: expected a value >= 0, got -1" in message, message
+
+
+def test_sweep_keys_of_one_section_vary_together_as_toml_groups_them() -> None:
+    """TOML gathers the dotted keys of one section: connector.descriptor_merge, written after
+    prefill.tp, still varies before it (docs/scenarios.md says so)."""
+    text = MINIMAL + ('[sweep]\nconnector.mode = ["pull", "push"]\nprefill.tp = [1, 2]\n'
+                      'connector.descriptor_merge = ["off", "strided"]\n')
+    points = [s.sweep_point for s in parse_scenarios(text)]
+    assert [list(p) for p in points] == [
+        ["connector.mode", "connector.descriptor_merge", "prefill.tp"]] * 8
+    assert [tuple(p.values()) for p in points[:4]] == [
+        ("pull", "off", 1), ("pull", "off", 2), ("pull", "strided", 1), ("pull", "strided", 2)]
