@@ -391,6 +391,11 @@ def test_hf_config_must_exist(tmp_path: Path) -> None:
             ["allowed: 0 to 1"], id="fault-rank-beyond-every-tp",
         ),
         pytest.param(
+            MINIMAL.replace("prompt_tokens = 100", "prompt_tokens = 100\nprefix_hit_tokens = 1"),
+            "case.toml: workload.prefix_hit_tokens: prefix hits need [decode] prefix_caching = "
+            "true", [], id="a-one-token-hit-without-prefix-caching",
+        ),
+        pytest.param(
             MINIMAL + "[connector]\nlease_seconds = inf\n",
             "case.toml: connector.lease_seconds: expected a finite number", [],
             id="infinite-float",
@@ -438,6 +443,8 @@ def test_a_fault_rank_error_lists_the_ranks_that_exist() -> None:
 def test_long_values_are_truncated() -> None:
     message = error_of(MINIMAL + f"[prefill]\ntp = \"{'x' * 500}\"\n")
     assert message.startswith("case.toml: prefill.tp: expected an integer, got 'xxx")
+    shown = message.split(", got ", 1)[1]
+    assert len(shown) == 60 and shown.endswith("xx...")
     assert "..." in message and len(message) < 140
 
 
@@ -640,6 +647,16 @@ def test_loguniform_favours_small_values() -> None:
     assert 0.45 < below < 0.55
     uniform = workload_with("{ min = 10, max = 100000 }")
     assert np.mean(uniform.workload.prompt_lengths(20000, np.random.default_rng(0)) < 1000) < 0.02
+
+
+def test_loguniform_gives_each_value_its_log_share() -> None:
+    """Log-uniform over [0, 3] samples x + 1 log-uniformly on [1, 5): value v has probability
+    log((v + 2) / (v + 1)) / log(5), the largest value no more than its share."""
+    s = workload_with("100", '{ min = 0, max = 3, distribution = "loguniform" }')
+    hits = s.workload.prefix_hit_lengths(40000, np.random.default_rng(3))
+    share = np.bincount(hits, minlength=4) / hits.size
+    want = np.log((np.arange(4) + 2) / (np.arange(4) + 1)) / np.log(5)
+    assert np.allclose(share, want, atol=0.012), (share, want)
 
 
 def test_range_with_equal_bounds_and_zero_prefix_minimum() -> None:

@@ -248,6 +248,8 @@ def test_requests_caps_the_replay(tmp_path: Path) -> None:
     # the cap's bounds: one request, and all of them
     (one,) = load_scenarios(_scenario_file(tmp_path, extra="requests = 1"))
     assert one.request_lengths()[0].tolist() == [1100]
+    (every,) = load_scenarios(_scenario_file(tmp_path, extra="requests = 4"))
+    assert every.workload.num_requests == 4
     trace = _load(Path(one.workload.trace))
     assert len(trace.head(1)) == 1 and len(trace.head(4)) == 4
     for bad in (0, 5):
