@@ -16,7 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hkvsim.geometry import build_layout, preset
-from hkvsim.oracle import OUTSIDE_BLOCKS, Oracle, blocks_touched, blocks_touched_set
+from hkvsim.oracle import (
+    _BATCH_WORDS,
+    OUTSIDE_BLOCKS,
+    Oracle,
+    _same,
+    blocks_touched,
+    blocks_touched_set,
+)
 
 CASES = [("tiny-kimi-linear", 1), ("tiny-kimi-linear", 4), ("tiny-qwen3-next", 2),
          ("tiny-deepseek", 1), ("tiny-llama", 1), ("tiny-llama", 2)]
@@ -264,3 +271,39 @@ def test_explanations_stop_at_the_limit_when_every_state_word_is_wrong(limit: in
                                tokens=(0, TOKENS), state_step=TOKENS, limit=limit)
     assert bad * 8 == layout.model.state_bytes_per_request(1)
     assert len(found) == limit and all("state" in m.kind for m in found)
+
+
+def test_a_run_just_past_the_allocation_lands_outside_every_block() -> None:
+    """The allocation's last byte is inside the last block; a run starting one byte later is
+    outside it (the fast path's bound is the last byte, not one past it)."""
+    layout = build_layout(preset("tiny-llama"), tp=1, block_size=preset("tiny-llama").attention
+                          .attention_backend.min_kernel_block, num_blocks=5)
+    total, page = layout.total_bytes, layout.unified_page_bytes
+    last = layout.num_logical_blocks - 1
+    inside = blocks_touched_set(layout, np.array([total - page]), np.array([page]))
+    assert inside.tolist() == [last]
+    for length in (1, page):
+        past = blocks_touched_set(layout, np.array([total]), np.array([length]))
+        assert past.tolist() == [OUTSIDE_BLOCKS], length
+
+
+def test_state_page_check_sees_a_wrong_last_word_after_a_whole_batch() -> None:
+    """The state-page fast check compares in batches of _BATCH_WORDS words; a sub-region one
+    word longer than a batch leaves a one-word remainder, which must be compared too."""
+    oracle = Oracle(preset("tiny-kimi-linear"))
+    n, head = _BATCH_WORDS + 1, 5 << 40
+    page = (np.arange(n, dtype=np.uint64) + np.uint64(head)).view(np.uint8)
+    assert oracle._state_page_matches(page, [(0, n, head)])
+    page.view(np.uint64)[-1] ^= np.uint64(1)
+    assert not oracle._state_page_matches(page, [(0, n, head)])
+
+
+def test_byte_comparison_of_strided_views_compares_their_elements() -> None:
+    """A strided view is not contiguous memory: comparing it byte-range-wise (memcmp from its
+    first element) would read the skipped elements and miss a difference further on."""
+    a = np.zeros((4, 6), dtype=np.uint64)
+    b = a.copy()
+    b[3, 0] = 1  # inside the [:, ::2] view, past its first nbytes of memory
+    assert not _same(a[:, ::2], b[:, ::2])
+    b[3, 0], b[0, 1] = 0, 7  # only a skipped element differs
+    assert _same(a[:, ::2], b[:, ::2])
