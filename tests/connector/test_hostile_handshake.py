@@ -61,6 +61,8 @@ KIMI_FAN_IN = "tiny-kimi-linear P4->D1 pull"  # decode rank 0 handshakes with 4 
     ("block_strides", lambda v: [2**63] * len(v), "'block_strides' holds 9223372036854775808"),
     ("block_lens", lambda v: [0] * len(v), "'block_lens' holds 0"),
     ("tp_size", 2**40, "'tp_size' must be in [1, 4096], got 1099511627776"),
+    ("tp_size", 4097, "'tp_size' must be in [1, 4096], got 4097"),
+    ("block_size", 2**20 + 1, "'block_size' must be in [1, 1048576], got 1048577"),
     ("num_blocks", 2**62, "region 0 ends past the address limit"),
     ("region_num_blocks", lambda v: [n + 1 for n in v], "'region_num_blocks' gives region 0"),
     ("mem_type", "dram", "'mem_type' is 'dram'; allowed: DRAM, VRAM"),
