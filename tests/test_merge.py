@@ -268,3 +268,16 @@ def test_head_slices_merge_only_strided():
     assert _run(_scenario(merge="contiguous", **case)) == (ref_plan, ref_posted, ref_bytes)
     plan, strided, nbytes = _run(_scenario(merge="strided", **case))
     assert (plan, nbytes) == (ref_plan, ref_bytes) and strided < ref_posted
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "strided"])
+def test_merging_refuses_pairs_of_different_lengths(mode: str) -> None:
+    """A pair whose two sides differ in length cannot move byte for byte: merging refuses it,
+    naming the pair, instead of joining it into a run."""
+    local = np.array([[0, 4096, 0], [4096, 4096, 0], [8192, 4096, 0]], dtype=np.uint64)
+    remote = local.copy()
+    remote[:, 0] += 1 << 30
+    remote[1, 1] = 2048
+    with pytest.raises(ValueError, match="descriptor pair 1 has local length 4096 but remote "
+                                         "length 2048"):
+        merge_descriptors(local, remote, mode)

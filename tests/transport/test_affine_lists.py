@@ -257,6 +257,21 @@ def test_paired_runs_agree_with_rows(seed: int, analysis: str) -> None:
     assert (same.nbytes, same.coalesced()) == _pair_reference(lref, lref)
 
 
+@pytest.mark.parametrize("stride_kib", [4, 8])
+def test_one_run_in_one_segment_coalesces_like_rows(stride_kib: int, analysis: str) -> None:
+    """A single joint run (one segment, consecutive ids on both sides): back-to-back blocks
+    coalesce into one descriptor, blocks with gaps between them stay one descriptor each."""
+    from hkvsim.transport.base import check_pairs
+
+    seg = {"count": 6, "base": 1 << 30, "stride": stride_kib * KIB, "length": 4 * KIB}
+    remote = dict(seg, base=1 << 32)
+    lref, rref = _reference_rows([seg], 0), _reference_rows([remote], 0)
+    for ids in (np.arange(6), np.arange(1, 4)):
+        pairs = check_pairs(_affine([seg]), ids, _affine([remote]), ids, what="t")
+        want = _pair_reference(lref[ids], rref[ids])[1]
+        assert pairs.coalesced() == want == (1 if stride_kib == 4 else ids.size)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_runs_meeting_across_adjacent_segments_coalesce_like_rows(seed: int, analysis: str
                                                                   ) -> None:
