@@ -101,13 +101,9 @@ FAULT_KINDS = (
     "kill-rank",
     "abort-request",
 )
-# The targets each fault kind honours; any other target given is refused, not ignored.
-# expire-lease-early and abort-request act on a request, not on a rank or a moment.
-_ALL_TARGETS = ("request", "engine", "rank", "at_seconds", "probability")
-FAULT_TARGETS = {kind: _ALL_TARGETS for kind in FAULT_KINDS} | {
-    "expire-lease-early": ("request", "probability"),
-    "abort-request": ("request", "probability"),
-}
+# Kinds that act on a request, not on a rank or a moment: they take only request and
+# probability (an engine, rank or at_seconds target is refused, not ignored).
+REQUEST_ONLY_FAULTS = ("expire-lease-early", "abort-request")
 # What duration_seconds means for each kind that uses it (any other kind refuses it).
 FAULT_DURATIONS = {"delay-notification": "how late the notification arrives",
                    "stall-transfer": "how long the transfer stays PROC",
@@ -689,12 +685,12 @@ class Fault(_Section):
                 "at_seconds, probability",
                 show_input=False,
             )
-        honoured = FAULT_TARGETS[self.kind]
-        for name in _ALL_TARGETS:
-            if getattr(self, name) is not None and name not in honoured:
-                raise _err(f"{self.kind} acts on a request, not on a rank or a moment: {name} "
-                           f"would be ignored", allowed=", ".join(honoured), key=name,
-                           show_input=False)
+        if self.kind in REQUEST_ONLY_FAULTS:
+            for name in ("engine", "rank", "at_seconds"):
+                if getattr(self, name) is not None:
+                    raise _err(f"{self.kind} acts on a request, not on a rank or a moment: "
+                               f"{name} would be ignored", allowed="request, probability",
+                               key=name, show_input=False)
         if self.kind in ("disconnect-peer", "kill-rank") and self.at_seconds is not None:
             for name in ("request", "probability"):
                 if getattr(self, name) is not None:

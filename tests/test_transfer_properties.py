@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hkvsim.cluster import run_scenario
-from hkvsim.scenario import parse_scenarios
+from hkvsim.scenario import REQUEST_ONLY_FAULTS, parse_scenarios
 
 TPS = st.sampled_from([1, 2, 4, 8])
 
@@ -144,8 +144,6 @@ FAULT_KINDS = ["drop-notification", "delay-notification", "fail-transfer", "stal
 PHASES = {"fail-transfer": ["completion", "setup", "poll"],
           "abort-request": ["on-prefill", "before-scheduling", "during-handshake",
                             "mid-transfer", "after-completion"]}
-#: kinds that act on a request, not on a rank (a rank target is refused for them)
-REQUEST_ONLY_KINDS = ("expire-lease-early", "abort-request")
 #: every fault kind, and every phase of the kinds that have them
 FAULT_CASES = [(kind, phase) for kind in FAULT_KINDS for phase in PHASES.get(kind, [None])]
 
@@ -172,7 +170,7 @@ def faulty_deployments(draw: st.DrawFn, kind: str, phase: str | None) -> str:
 
     def target(of: str) -> str:  # a rank target only for the kinds that act on ranks
         return draw(st.sampled_from([request, "probability = 0.5"] + (
-            [] if of in REQUEST_ONLY_KINDS else ["rank = 0\nprobability = 1.0"])))
+            [] if of in REQUEST_ONLY_FAULTS else ["rank = 0\nprobability = 1.0"])))
 
     text += _fault(kind, phase, target(kind))
     for other, other_phase in draw(st.lists(st.sampled_from(FAULT_CASES), max_size=2)):
