@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="scenario TOML file (a [sweep] runs every variant)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: DRAM caches; cuda: VRAM caches, each worker on its local-rank GPU")
+    p.add_argument("--ranks-per-gpu", type=_positive_int, default=1, metavar="K",
+                   help="with --device cuda: K workers share one GPU (local rank i uses GPU "
+                        "i // K); default 1. 2 runs a P rank and a D rank on a one-GPU machine")
     p.add_argument("--json", action="store_true", help="the JSON of hkvsim run --json")
     p.add_argument("--requests", action="store_true", help="per-request details in --json")
     p.add_argument("--timing-only", action="store_true",
@@ -73,6 +76,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=3600.0,
                    help="how long a worker waits for its next assignment (s)")
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1 is allowed, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,7 +229,8 @@ class Coordinator:
         out = []
         for g in range(self.env.world_size):
             f = check_slot(self.store.take(slot_key(g), 120.0))
-            out.append(Slot(rank=g, node=f["node"], local_rank=f["local_rank"], gpus=f["gpus"]))
+            out.append(Slot(rank=g, node=f["node"], local_rank=f["local_rank"], gpus=f["gpus"],
+                            ranks_per_gpu=self.args.ranks_per_gpu))
         return out
 
     def _bind_address(self) -> str:
@@ -255,7 +269,8 @@ class Coordinator:
 
         def describe(engine: str, tp_rank: int) -> str:
             p = where[(engine, tp_rank)]
-            return f"torchrun global rank {p.rank}, node {p.node}, local rank {p.device}"
+            gpu = f", GPU {p.device}" if self.args.device == "cuda" else ""
+            return f"torchrun global rank {p.rank}, node {p.node}, local rank {p.local_rank}{gpu}"
 
         options = NixlRunOptions(
             device=self.args.device, host=host, progress_thread=self.args.progress_thread,

@@ -1,15 +1,21 @@
 """``hardware/gpu-check``: what a GPU lab runs first, writing ``reports/gpu/``.
 
-1. preflight: torch with CUDA and at least two GPUs, NIXL importable, no
-   ``expandable_segments:True`` (refuses clearly otherwise, before anything runs);
-2. VRAM registration: on each of the first two GPUs, a NIXL agent registers a VRAM buffer and
-   deregisters it (NIXL issue #334 shows up here);
-3. tiny-kimi-linear pull and push across two GPUs under torchrun (P on GPU 0, D on GPU 1),
+1. preflight: torch with CUDA and the GPUs asked for (``--gpus``: 2 by default where two are
+   visible, else 1), NIXL importable, no ``expandable_segments:True`` (refuses clearly
+   otherwise, before anything runs);
+2. VRAM registration: on each GPU used, a NIXL agent registers a VRAM buffer and deregisters it
+   (NIXL issue #334 shows up here);
+3. tiny-kimi-linear pull and push under torchrun (P on GPU 0, D on GPU 1; with one GPU both
+   ranks share GPU 0, so the copy stays inside one device and no GPU-to-GPU link is used),
    every byte checked by the oracle;
-4. a short calibration sweep on two GPUs (kimi-linear-48b geometry, prompt lengths x
-   descriptor merging), measured next to the simulator's prediction for the same file.
+4. a NIXL transfer sweep between two processes on the lab's memory (VRAM on GPU 0 with
+   ``--device cuda``, DRAM on cpu): descriptor sizes x counts, READ and WRITE, NIXL's own
+   telemetry per point, plus the first transfer's cost (cuda_ipc maps the peer's memory then);
+5. a short calibration sweep (kimi-linear-48b geometry, prompt lengths x descriptor merging),
+   measured next to the simulator's prediction for the same file (whose profile models two
+   GPUs on NVLink: on one GPU the comparison says so).
 
-Steps 3 and 4 are the torchrun path of :mod:`hkvsim.lab`; CI runs the same code on CPU
+Steps 3 and 5 are the torchrun path of :mod:`hkvsim.lab`; CI runs the same code on CPU
 (``--device cpu``, which skips step 2 and the CUDA preflight) so only CUDA itself is untested
 there. Exit status: 0 every step passed, 1 a step failed, 2 refused (preflight).
 """
@@ -18,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 __all__ = ["main", "preflight", "byte_problems", "calibration_rows"]
 
@@ -48,15 +57,25 @@ def preflight(device: str, gpus: int = 2) -> list[str]:
         if not torch.cuda.is_available():
             problems.append("no CUDA device: torch.cuda.is_available() is False (a CPU-only "
                             "machine, a CPU build of torch, or no driver); this check needs "
-                            f"{gpus} GPUs")
+                            f"{gpus} GPU(s)")
         elif torch.cuda.device_count() < gpus:
             problems.append(f"{torch.cuda.device_count()} CUDA device(s) visible; this check "
-                            f"needs {gpus} (see CUDA_VISIBLE_DEVICES)")
+                            f"needs {gpus} (see CUDA_VISIBLE_DEVICES; --gpus 1 puts P and D on "
+                            f"one GPU)")
     try:
         load_nixl()
     except NixlUnavailable as exc:
         problems.append(str(exc))
     return problems
+
+
+def _visible_gpus() -> int:
+    """2 where torch sees at least two CUDA devices, else 1 (preflight refuses 0)."""
+    try:
+        import torch
+    except ImportError:
+        return 2
+    return 2 if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else 1
 
 
 def vram_registration(devices: list[int], nbytes: int = 64 << 20) -> dict[str, Any]:
@@ -87,11 +106,13 @@ def vram_registration(devices: list[int], nbytes: int = 64 << 20) -> dict[str, A
 
 
 def torchrun_json(scenario: Path, *, nproc: int, device: str, log_dir: Path,
-                  timeout: float) -> tuple[int, dict[str, Any] | None, str]:
+                  timeout: float, ranks_per_gpu: int = 1
+                  ) -> tuple[int, dict[str, Any] | None, str]:
     """Run ``scenario`` under ``torchrun --standalone``, through hkvsim.lab_torchrun (its store
     on loopback only); (exit status, JSON or None, stderr)."""
     cmd = [sys.executable, "-m", "hkvsim.lab_torchrun", "--standalone", "--nproc-per-node",
-           str(nproc), "-m", "hkvsim.lab", str(scenario), "--device", device, "--json", "--requests", "--log-dir", str(log_dir)]
+           str(nproc), "-m", "hkvsim.lab", str(scenario), "--device", device, "--json", "--requests", "--log-dir", str(log_dir),
+           "--ranks-per-gpu", str(ranks_per_gpu)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
                               "OMP_NUM_THREADS", "1")})
@@ -149,17 +170,81 @@ def calibration_rows(measured: dict[str, Any] | None, scenario: Path) -> list[di
     return rows
 
 
+SWEEP_PROFILES = {"VRAM": "h200-nvlink", "DRAM": "cpu-ucx-loopback"}
+
+
+def transfer_sweep(memory: str, budget: float, *, quick: bool = False) -> dict[str, Any]:
+    """Step 4: the calibration sweep of ``hkvsim calibrate`` on ``memory``, with the simulator's
+    fitted constants for it (reported, never written to a profile) and each point as the
+    shipped profile for that memory predicts it (untuned: a prediction, not a fit)."""
+    from .backends.calibrate import SweepPoint, fit, predict, run_sweep
+    from .fabric.profile import load_profile
+
+    if memory not in SWEEP_PROFILES:
+        raise ValueError(f"memory must be DRAM or VRAM, got {memory!r}")
+    raw = run_sweep(quick=quick, budget=budget, memory=memory)
+    points = [SweepPoint(**p) for p in raw["points"]]
+    raw["profile"] = SWEEP_PROFILES[memory]
+    for p, seconds in zip(raw["points"], predict(load_profile(raw["profile"]), points)):
+        p["simulated_us"] = seconds * 1e6
+    # a term the fit could not resolve (every point dominated by the others) comes out infinite;
+    # JSON has no infinity, so it is written as null and shown as "not resolved"
+    raw["fit"] = {k: (v if math.isfinite(v) else None)
+                  for k, v in fit(points).items()}
+    return raw
+
+
+def _sweep_markdown(sweep: dict[str, Any]) -> list[str]:
+    fitted = sweep["fit"]
+    bandwidth = ("bandwidth not resolved (the per-descriptor cost dominates every point)"
+                 if fitted["bandwidth"] is None else f"{fitted['bandwidth'] / 1e9:.1f} GB/s")
+    lines = ["", f"## NIXL transfer sweep ({sweep['memory']}, two processes)", "",
+             f"UCX transports: {', '.join(sweep['transports']) or 'unknown'}; first transfer "
+             f"(wire-up) {sweep['wireup_s'] * 1e3:.1f} ms; handshake "
+             f"{sweep['handshake_s'] * 1e3:.1f} ms; local copy {sweep['memcpy_gbps']:.0f} GB/s; "
+             f"fit: {fitted['intercept'] * 1e6:.1f} us + {fitted['per_descriptor'] * 1e6:.3f} "
+             f"us/descriptor, {bandwidth}.", "",
+             f"Simulated: each point as the `{sweep['profile']}` profile predicts it, untuned; "
+             f"median |error| {100 * _median_error(sweep['points']):.0f} %.", "",
+             "| op | descriptor | count | bytes | NIXL time | post | GB/s | merged | reps | "
+             "simulated | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in sweep["points"]:
+        nbytes = p["size"] * p["count"]
+        error = (p["simulated_us"] - p["total_us"]) / p["total_us"]
+        lines.append(f"| {p['op']} | {p['size']:,} | {p['count']:,} | {nbytes:,} | "
+                     f"{p['total_us']:.1f} us | {p['post_us']:.1f} us | "
+                     f"{nbytes / max(p['total_us'], 1e-3) / 1e3:.2f} | {p['merged']} | "
+                     f"{p['reps']} | {p['simulated_us']:.1f} us | {100 * error:+.0f} % |")
+    return lines
+
+
+def _median_error(points: list[dict[str, Any]]) -> float:
+    return float(np.median([abs(p["simulated_us"] - p["total_us"]) / p["total_us"]
+                            for p in points]))
+
+
 def _markdown(summary: dict[str, Any]) -> str:
     lines = ["# GPU check", "", f"- when: {summary['when']}", f"- device: {summary['device']}",
-             f"- host: {summary['host']}", ""]
+             f"- host: {summary['host']}"]
+    if summary.get("gpus"):
+        lines.append(f"- GPUs used: {summary['gpus']} ({summary['placement']})")
+    lines.append("")
     for name, step in summary["steps"].items():
         lines.append(f"- **{name}**: {'passed' if step['ok'] else 'FAILED'}"
                      + ("" if step["ok"] else f" -- {'; '.join(step.get('problems', []))}"))
+    if summary.get("transfer_sweep"):
+        lines += _sweep_markdown(summary["transfer_sweep"])
     rows = summary.get("calibration") or []
     if rows:
         lines += ["", "## Calibration sweep: measured vs simulated (median transfer time)", "",
                   "| variant | point | bytes | descriptors | measured | simulated | error |",
                   "|---|---|---|---|---|---|---|"]
+        if summary.get("gpus") == 1:
+            lines[-2:-2] = ["The simulated column uses the file's profile, which models P and D on "
+                            "two GPUs joined by NVLink; here both ran on one GPU, so the measured "
+                            "copy never left the device. Read the error column with that in mind.",
+                            ""]
         for r in rows:
             fmt = (lambda v: "-" if v is None else f"{v * 1e3:.3f} ms")
             err = "-" if r["error"] is None else f"{r['error'] * 100:+.0f} %"
@@ -174,12 +259,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="reports/gpu", help="where the results go")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda (the lab); cpu runs the same torchrun steps on DRAM (CI)")
-    p.add_argument("--skip-calibration", action="store_true", help="steps 1-3 only")
+    p.add_argument("--gpus", type=int, choices=[1, 2], default=None,
+                   help="GPUs to use: 2 puts P and D on different GPUs, 1 puts both on GPU 0 "
+                        "(no GPU-to-GPU link is exercised); default 2 where two are visible")
+    p.add_argument("--skip-sweep", action="store_true", help="no NIXL transfer sweep (step 4)")
+    p.add_argument("--sweep-budget", type=float, default=60.0,
+                   help="seconds of measuring for the transfer sweep (default 60)")
+    p.add_argument("--skip-calibration", action="store_true",
+                   help="no scenario calibration sweep (step 5)")
     p.add_argument("--timeout", type=float, default=900.0, help="per torchrun step (s)")
     p.add_argument("--scenarios", default=str(SCENARIOS),
                    help="folder with gpu-pull-push.toml and gpu-calibration.toml")
     args = p.parse_args(argv)
-    problems = preflight(args.device)
+    gpus = args.gpus or (_visible_gpus() if args.device == "cuda" else 2)
+    problems = preflight(args.device, gpus=gpus)
     if problems:
         for text in problems:
             print(f"hardware/gpu-check: refused: {text}", file=sys.stderr)
@@ -187,24 +280,42 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "device": args.device, "host": os.uname().nodename, "steps": {}}
+                               "device": args.device, "host": os.uname().nodename, "steps": {},
+                               "environment": {k: v for k, v in sorted(os.environ.items())
+                                               if k.startswith(("UCX_", "NIXL_"))}}
+    share = 1
+    if args.device == "cuda":
+        share = 3 - gpus  # one GPU: the P and the D worker both on GPU 0
+        summary.update(gpus=gpus, placement="P on GPU 0, D on GPU 1" if gpus == 2 else
+                       "P and D both on GPU 0: the copy stays inside one device")
     steps = summary["steps"]
     if args.device == "cuda":
-        reg = vram_registration([0, 1])
+        reg = vram_registration(list(range(gpus)))
         (out / "vram-registration.json").write_text(json.dumps(reg, indent=2) + "\n")
         steps["vram registration"] = {"ok": reg["ok"], "problems": [
             f"cuda:{d['device']}: {d['error']}" for d in reg["devices"] if not d["ok"]]}
     pull_push = Path(args.scenarios) / "gpu-pull-push.toml"
     rc, data, err = torchrun_json(pull_push, nproc=2, device=args.device,
-                                  log_dir=out / "logs" / "pull-push", timeout=args.timeout)
+                                  log_dir=out / "logs" / "pull-push", timeout=args.timeout,
+                                  ranks_per_gpu=share)
     (out / "pull-push.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     found = byte_problems(data, 2) + ([f"torchrun exit status {rc}: {err.strip()[-400:]}"]
                                       if rc else [])
     steps["tiny-kimi-linear pull and push, 2 ranks"] = {"ok": not found, "problems": found}
+    if not args.skip_sweep:
+        memory = "VRAM" if args.device == "cuda" else "DRAM"
+        try:
+            sweep = transfer_sweep(memory, args.sweep_budget)
+            summary["transfer_sweep"] = sweep
+            (out / "transfer-sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
+            steps[f"NIXL transfer sweep ({memory})"] = {"ok": True, "problems": []}
+        except (RuntimeError, ValueError) as exc:
+            steps[f"NIXL transfer sweep ({memory})"] = {"ok": False, "problems": [str(exc)]}
     if not args.skip_calibration:
         calib = Path(args.scenarios) / "gpu-calibration.toml"
         rc, data, err = torchrun_json(calib, nproc=2, device=args.device,
-                                      log_dir=out / "logs" / "calibration", timeout=args.timeout)
+                                      log_dir=out / "logs" / "calibration", timeout=args.timeout,
+                                      ranks_per_gpu=share)
         (out / "calibration-measured.json").write_text(json.dumps(data, indent=2, default=str)
                                                        + "\n")
         rows = calibration_rows(data, calib)

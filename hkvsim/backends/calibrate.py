@@ -115,6 +115,48 @@ def _buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
+class _Memory:
+    """The sweep's buffer on one side: DRAM (a committed numpy array) or VRAM (a torch uint8
+    tensor on ``cuda:<device>``, filled before anything is measured)."""
+
+    def __init__(self, nbytes: int, mem_type: str, device: int = 0) -> None:
+        self.mem_type, self.nbytes = mem_type, nbytes
+        self.device = device if mem_type == "VRAM" else 0
+        if mem_type == "VRAM":
+            import torch
+
+            torch.cuda.set_device(device)  # before the agent's first CUDA call uses it
+            self.tensor = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=f"cuda:{device}")
+            torch.cuda.synchronize(device)
+            self.addr = int(self.tensor.data_ptr())
+        else:
+            self.array = _buffer(nbytes)
+            self.addr = int(self.array.ctypes.data)
+
+    def register(self, agent: Any) -> Any:
+        return agent.register_memory(
+            np.array([[self.addr, self.nbytes, self.device]], dtype=np.uint64), self.mem_type)
+
+    def copy_seconds(self, chunk: int, k: int) -> float:
+        """Time one local copy of ``chunk`` bytes out of this buffer (host memcpy for DRAM,
+        device-to-device for VRAM): the simulator's same-endpoint copy."""
+        off = (k * chunk) % (self.nbytes - chunk)
+        if self.mem_type == "VRAM":
+            import torch
+
+            dst = torch.empty(chunk, dtype=torch.uint8, device=self.tensor.device)
+            torch.cuda.synchronize(self.device)
+            w0 = time.perf_counter()
+            dst.copy_(self.tensor[off:off + chunk])
+            torch.cuda.synchronize(self.device)
+            return time.perf_counter() - w0
+        dst = np.empty(chunk, np.uint8)
+        dst.fill(0)
+        w0 = time.perf_counter()
+        np.copyto(dst, self.array[off:off + chunk])
+        return time.perf_counter() - w0
+
+
 def _send(conn: Any, obj: Any) -> None:
     conn.send_bytes(msgpack.packb(obj, use_bin_type=True))
 
@@ -125,14 +167,13 @@ def _recv(conn: Any, timeout: float) -> Any:
     return msgpack.unpackb(conn.recv_bytes(1 << 24), raw=False)
 
 
-def _target_main(peer: Any, log_path: str, nbytes: int) -> None:
+def _target_main(peer: Any, log_path: str, nbytes: int, mem_type: str = "DRAM") -> None:
     """Owns the remote buffer; answers pings; keeps calling into NIXL until told to stop."""
     _redirect(log_path)
+    buf = _Memory(nbytes, mem_type)
     agent = _agent("calib-target")
-    buf = _buffer(nbytes)
-    reg = agent.register_memory(np.array([[buf.ctypes.data, nbytes, 0]], dtype=np.uint64),
-                                "DRAM")
-    _send(peer, {"md": agent.get_agent_metadata(), "addr": int(buf.ctypes.data)})
+    reg = buf.register(agent)
+    _send(peer, {"md": agent.get_agent_metadata(), "addr": buf.addr})
     initiator = None
     deadline = time.monotonic() + 600.0
     spin = False
@@ -161,10 +202,11 @@ def _target_main(peer: Any, log_path: str, nbytes: int) -> None:
 
 
 def _initiator_main(peer: Any, parent: Any, log_path: str, nbytes: int, sizes: list[int],
-                    counts: list[int], budget: float, min_reps: int) -> None:
+                    counts: list[int], budget: float, min_reps: int, mem_type: str = "DRAM"
+                    ) -> None:
     _redirect(log_path)
     try:
-        result = _initiate(peer, nbytes, sizes, counts, budget, min_reps)
+        result = _initiate(peer, nbytes, sizes, counts, budget, min_reps, mem_type)
     except Exception as exc:  # reported to the parent, never pickled
         result = {"error": f"{type(exc).__name__}: {exc}"}
     try:
@@ -185,12 +227,11 @@ def _low_quartile(values: list[float]) -> float:
 
 
 def _initiate(peer: Any, nbytes: int, sizes: list[int], counts: list[int], budget: float,
-              min_reps: int) -> dict[str, Any]:
+              min_reps: int, mem_type: str = "DRAM") -> dict[str, Any]:
     start_all = time.monotonic()
+    buf = _Memory(nbytes, mem_type)
     agent = _agent("calib-initiator")
-    buf = _buffer(nbytes)
-    reg = agent.register_memory(np.array([[buf.ctypes.data, nbytes, 0]], dtype=np.uint64),
-                                "DRAM")
+    reg = buf.register(agent)
     hello = _recv(peer, 120.0)  # the target's metadata, once it is up
     t0 = time.perf_counter()
     name = agent.add_remote_agent(hello["md"])
@@ -212,12 +253,14 @@ def _initiate(peer: Any, nbytes: int, sizes: list[int], counts: list[int], budge
         NIXL merges contiguous descriptors); repetitions walk through them."""
         total = nbytes // (2 * size)
         offs = np.arange(total, dtype=np.uint64) * np.uint64(2 * size)
-        local = np.stack([buf.ctypes.data + offs, np.full(total, size, np.uint64),
-                          np.zeros(total, np.uint64)], axis=1).astype(np.uint64)
-        remote = np.stack([raddr + offs, np.full(total, size, np.uint64),
-                           np.zeros(total, np.uint64)], axis=1).astype(np.uint64)
-        return (agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(local, "DRAM")),
-                agent.prep_xfer_dlist(name, agent.get_xfer_descs(remote, "DRAM")), total)
+        dev = np.full(total, buf.device, np.uint64)
+        local = np.stack([np.uint64(buf.addr) + offs, np.full(total, size, np.uint64), dev],
+                         axis=1).astype(np.uint64)
+        remote = np.stack([np.uint64(raddr) + offs, np.full(total, size, np.uint64), dev],
+                          axis=1).astype(np.uint64)
+        return (agent.prep_xfer_dlist("NIXL_INIT_AGENT",
+                                      agent.get_xfer_descs(local, mem_type)),
+                agent.prep_xfer_dlist(name, agent.get_xfer_descs(remote, mem_type)), total)
 
     def post(op: str, lh: Any, rh: Any, ids: np.ndarray) -> tuple[float, float, float, int]:
         x = agent.make_prepped_xfer(op, lh, ids, rh, ids, b"")
@@ -260,14 +303,7 @@ def _initiate(peer: Any, nbytes: int, sizes: list[int], counts: list[int], budge
     agent.release_dlist_handle(rh)
 
     # local memcpy bandwidth (16 MiB, cold), as the simulator's same-endpoint copy
-    a = np.empty(16 << 20, np.uint8)
-    a.fill(0)
-    copies = []
-    for k in range(7):
-        off = (k * (16 << 20)) % (nbytes - (16 << 20))
-        w0 = time.perf_counter()
-        np.copyto(a, buf[off:off + (16 << 20)])
-        copies.append(time.perf_counter() - w0)
+    copies = [buf.copy_seconds(16 << 20, k) for k in range(7)]
 
     plan = [(size, n, op) for size in sizes for n in counts if size * n <= BYTE_CAP
             for op in ("READ", "WRITE")]
@@ -312,13 +348,16 @@ def _initiate(peer: Any, nbytes: int, sizes: list[int], counts: list[int], budge
             "metadata_fetch_s": fetch, "wireup_s": wireup,
             "notif_oneway_s": _low_quartile(rtts) / 2 if rtts else None,
             "memcpy_gbps": (16 << 20) / statistics.median(copies) / 1e9,
-            "sweep_seconds": time.monotonic() - start_all}
+            "memory": mem_type, "sweep_seconds": time.monotonic() - start_all}
 
 
-def run_sweep(*, quick: bool = False, budget: float = 150.0, log_dir: str | None = None
-              ) -> dict[str, Any]:
+def run_sweep(*, quick: bool = False, budget: float = 150.0, log_dir: str | None = None,
+              memory: str = "DRAM") -> dict[str, Any]:
     """Run the sweep in two spawned processes; returns the raw measurements plus the UCX
-    transports found in their logs."""
+    transports found in their logs. ``memory``: DRAM (CPU), or VRAM (both buffers on
+    ``cuda:0``: a one-GPU lab machine measures cuda_ipc inside one device)."""
+    if memory not in ("DRAM", "VRAM"):
+        raise ValueError(f"memory must be DRAM or VRAM, got {memory!r}")
     import tempfile
 
     from .rank import ucx_transports
@@ -333,11 +372,11 @@ def run_sweep(*, quick: bool = False, budget: float = 150.0, log_dir: str | None
     ctx = multiprocessing.get_context("spawn")
     a, b = ctx.Pipe()
     parent_end, child_end = ctx.Pipe(duplex=False)
-    target = ctx.Process(target=_target_main, args=(b, str(logs / "target.log"), nbytes),
-                         daemon=True)
+    target = ctx.Process(target=_target_main,
+                         args=(b, str(logs / "target.log"), nbytes, memory), daemon=True)
     initiator = ctx.Process(target=_initiator_main,
                             args=(a, child_end, str(logs / "initiator.log"), nbytes, sizes,
-                                  counts, budget, 3 if quick else 5), daemon=True)
+                                  counts, budget, 3 if quick else 5, memory), daemon=True)
     target.start()
     initiator.start()
     deadline = budget + 120.0

@@ -51,7 +51,7 @@ from ..pd.rank import RankExecutor
 from ..transport.base import TransportError
 from .side_channel import Channel, ChannelClosed, ProtocolError, fields
 
-__all__ = ["rank_entry", "serve_rank", "select_cuda_device", "staging_spans", "RankProcess", "hello_message", "ucx_transports", "EXIT_OK",
+__all__ = ["rank_entry", "serve_rank", "select_cuda_device", "staging_spans", "RankProcess", "hello_message", "ucx_transports", "ucx_emulated_device_rma", "EXIT_OK",
            "EXIT_SETUP", "EXIT_LOST", "EXIT_UNREACHABLE"]
 
 EXIT_OK, EXIT_SETUP, EXIT_LOST, EXIT_CRASH, EXIT_UNREACHABLE = 0, 3, 4, 5, 6
@@ -135,6 +135,46 @@ def ucx_transports(log_text: str) -> list[str]:
                         tl = tl.strip()
                         if "/" in tl and tl not in found:
                             found.append(tl)
+    return found
+
+
+_DEVICE_RMA_HEADER = re.compile(
+    r"remote memory (read|write) by ucp_\w+\*\S* (?:into|from) (host memory|\S+) "
+    r"(?:from|to) (host memory|\S+)")
+_EMULATED_ROW = re.compile(r"\|\s*software emulation\s*\|\s*([^|]+?)\s*\|\s*$")
+
+
+def ucx_emulated_device_rma(log_text: str) -> list[str]:
+    """GPU-to-GPU RMA between processes that UCX does by *software emulation* (a bounce through
+    host memory over a network transport such as tcp/lo) instead of cuda_ipc or RDMA, from the
+    UCX_PROTO_INFO tables in a log: one line per (operation, memory pair, transport), e.g.
+    ``"read into cuda/GPU0 from cuda/dev[1]: software emulation over tcp/lo"``. UCX does this
+    for READ on a GPU without active NVLink, where it turns cuda_ipc GET off."""
+    found: list[str] = []
+    scope, table = None, None
+    for line in log_text.splitlines():
+        body = line.split("]", 2)[-1] if line.startswith("[") else line
+        cfg = _PROTO_CFG.search(body)
+        if cfg:
+            scope, table = cfg.group(1), None
+            continue
+        header = _DEVICE_RMA_HEADER.search(body)
+        if header:
+            op, first, second = header.groups()
+            both_gpu = first.startswith("cuda") and second.startswith("cuda")
+            where = "into" if op == "read" else "from"
+            other = "from" if op == "read" else "to"
+            table = (f"{op} {where} {first} {other} {second}"
+                     if both_gpu and scope in ("intra-node", "inter-node") else None)
+            continue
+        if "remote memory" in body or "active message" in body:
+            table = None
+            continue
+        row = _EMULATED_ROW.search(body) if table else None
+        if row:
+            entry = f"{table}: software emulation over {row.group(1)}"
+            if entry not in found:
+                found.append(entry)
     return found
 
 
@@ -474,7 +514,15 @@ class RankProcess:
         leftover = self._shutdown_worker()
         report = self._close_transport()
         self._send_quietly({"op": "reply", "seq": seq, "ok": True, "closed": report,
-                            "leftover": leftover, "transports": self._transports()})
+                            "leftover": leftover, "transports": self._transports(),
+                            "emulated": self._emulated()})
+
+    def _emulated(self) -> list[str]:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+                return ucx_emulated_device_rma(fh.read())
+        except OSError:
+            return []
 
     def _transports(self) -> list[str]:
         try:

@@ -198,6 +198,7 @@ class _Rank:
     dead: str | None = None
     exitcode: int | None = None
     transports: list[str] = field(default_factory=list)
+    emulated: list[str] = field(default_factory=list)  # GPU RMA UCX emulates (rank.py)
     credential: str = ""  # its one-time HELLO credential (side_channel.RankCredentials)
     implementation: dict[str, str] = field(default_factory=dict)  # vLLM's name and version
 
@@ -767,10 +768,20 @@ class NixlDriver:
         return RunResult(scenario=self.scenario, records=self.coord.records,
                          handshake_errors=self.coord.handshake_errors, leaks=leaks,
                          counters=counters, sim_seconds=self.coord.makespan(), layouts=layouts,
-                         warnings=self.coord.warnings(), verified=self.verify, backend="nixl",
+                         warnings=self.coord.warnings() + self._emulation_warnings(),
+                         verified=self.verify, backend="nixl",
                          link_segments=[], implementation=self._implementation(),
                          rank_cpu={**merge_rank_cpu([s["cpu"] for s in stats if "cpu" in s]),
                                    "coordinator": coordinator_cpu})
+
+    def _emulation_warnings(self) -> list[str]:
+        """One warning per rank whose GPU-to-GPU RMA UCX did by software emulation: its transfer
+        times are a host bounce over a network transport, not a GPU path."""
+        return [f"{r.label}: UCX moves GPU memory by software emulation, not cuda_ipc or RDMA "
+                f"({'; '.join(r.emulated)}); its transfer times are not a GPU path's. On a GPU "
+                f"without active NVLink UCX turns cuda_ipc READ off: "
+                f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y turns it on"
+                for r in self.ranks if r.emulated]
 
     def _implementation(self) -> dict[str, str]:
         """The connector the ranks ran when not hkvsim's core (vLLM: its name and the version
@@ -846,6 +857,7 @@ class NixlDriver:
             try:
                 reply = await self._command(r, "shutdown", timeout=self.options.shutdown_timeout)
                 r.transports = [str(t) for t in reply.get("transports", [])]
+                r.emulated = [str(t) for t in reply.get("emulated", [])]
                 self._after_shutdown += int(reply.get("leftover", 0))
             except (_RankDied, _WaitTimeout, _CommandFailed, ConnectionError) as exc:
                 log.warning("%s: shutdown: %s", r.label, exc)

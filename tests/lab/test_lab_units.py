@@ -134,6 +134,91 @@ def test_gpu_count_is_checked_before_placing() -> None:
         place([("prefill0", 1), ("decode0", 2)], _slots(1, 2, None))
 
 
+def test_workers_can_share_a_gpu_when_asked() -> None:
+    """--ranks-per-gpu 2 on a one-GPU machine (how reports/gpu/ was measured): local ranks 0 and
+    1 both use GPU 0, local rank 2 would use GPU 1, which the node does not have."""
+    one_gpu = [Slot(rank=i, node=0, local_rank=i, gpus=1, ranks_per_gpu=2) for i in range(3)]
+    placed = place([("prefill0", 1), ("decode0", 1)], one_gpu)
+    assert [(p.engine, p.rank, p.local_rank, p.device) for p in placed] == [
+        ("prefill0", 0, 0, 0), ("decode0", 1, 1, 0)]
+    with pytest.raises(PlacementError) as exc:
+        place([("prefill0", 1), ("decode0", 2)], one_gpu)
+    assert str(exc.value) == ("the variant needs 3 rank(s), 2 per GPU; 2 worker(s) have a GPU "
+                              "(node 0: 3 worker(s), 1 GPU(s))")
+    # the default stays one worker per GPU: the same machine fits only one rank
+    with pytest.raises(PlacementError, match=r"^the variant needs 2 GPU\(s\), one per rank; "
+                                             r"1 worker\(s\) have one "):
+        place([("prefill0", 1), ("decode0", 1)], _slots(1, 2, 1))
+    with pytest.raises(PlacementError, match="ranks per GPU must be at least 1, got 0"):
+        Slot(rank=0, node=0, local_rank=0, gpus=1, ranks_per_gpu=0)
+
+
+def test_hkvsim_lab_refuses_a_ranks_per_gpu_below_one() -> None:
+    out = subprocess.run([sys.executable, "-m", "hkvsim.lab", "x.toml", "--ranks-per-gpu", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert ("argument --ranks-per-gpu: a whole number of at least 1 is allowed, got '0'"
+            in out.stderr)
+
+
+# ---- UCX's choice of path for GPU memory -----------------------------------------------------------
+UCX_LOGS = ROOT / "tests" / "fixtures" / "ucx"
+
+
+def test_gpu_reads_by_software_emulation_are_found_in_a_real_ucx_log() -> None:
+    """Two decode-rank logs from one H200 (reports/gpu/): by default UCX read the peer's GPU
+    memory through tcp/lo (no NVLink, so no cuda_ipc GET); with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
+    the same read is cuda_ipc zero-copy. Host-to-GPU tables (emulated in both) do not count."""
+    from hkvsim.backends.rank import ucx_emulated_device_rma
+
+    default = (UCX_LOGS / "h200-one-gpu-pull-default.log").read_text()
+    assert ucx_emulated_device_rma(default) == [
+        "read into cuda/GPU0 from cuda/dev[1]: software emulation over tcp/lo"]
+    assert ucx_emulated_device_rma(
+        (UCX_LOGS / "h200-one-gpu-pull-get-zcopy.log").read_text()) == []
+    assert "host memory to cuda/dev[1]" in default  # emulated, but not GPU to GPU
+
+
+def test_gpu_emulation_counts_only_gpu_pairs_between_processes() -> None:
+    from hkvsim.backends.rank import ucx_emulated_device_rma
+
+    def table(scope: str, header: str, row: str) -> str:
+        return (f"[1.0] [vm:1:0]   | d0 {scope} cfg#1 |\n"
+                f"[1.0] [vm:1:0]   | remote memory {header} |\n"
+                f"[1.0] [vm:1:0]   | Range  | Description | Config |\n"
+                f"[1.0] [vm:1:0]   | 0..inf | {row} |\n")
+    write = table("inter-node", "write by ucp_put*(multi) from cuda/GPU1 to cuda/dev[3]",
+                  "software emulation | tcp/eth0")
+    assert ucx_emulated_device_rma(write) == [
+        "write from cuda/GPU1 to cuda/dev[3]: software emulation over tcp/eth0"]
+    assert ucx_emulated_device_rma(write + write) == [  # once each
+        "write from cuda/GPU1 to cuda/dev[3]: software emulation over tcp/eth0"]
+    assert ucx_emulated_device_rma(table(
+        "self", "read by ucp_get* into cuda/GPU0 from cuda/dev[0]",
+        "software emulation | tcp/lo")) == []  # the process's own memory
+    assert ucx_emulated_device_rma(table(
+        "intra-node", "read by ucp_get* into host memory from cuda/dev[1]",
+        "software emulation | tcp/lo")) == []
+    assert ucx_emulated_device_rma(table(
+        "intra-node", "read by ucp_get* into cuda/GPU0 from cuda/dev[1]",
+        "zero-copy   | rc_mlx5/mlx5_0:1")) == []
+
+
+def test_a_run_whose_gpu_memory_ucx_emulates_says_so() -> None:
+    from types import SimpleNamespace
+
+    from hkvsim.drivers.nixl import NixlDriver
+
+    ranks = [SimpleNamespace(label="decode0 rank 0", emulated=[
+                 "read into cuda/GPU0 from cuda/dev[1]: software emulation over tcp/lo"]),
+             SimpleNamespace(label="prefill0 rank 0", emulated=[])]
+    assert NixlDriver._emulation_warnings(SimpleNamespace(ranks=ranks)) == [
+        "decode0 rank 0: UCX moves GPU memory by software emulation, not cuda_ipc or RDMA (read "
+        "into cuda/GPU0 from cuda/dev[1]: software emulation over tcp/lo); its transfer times "
+        "are not a GPU path's. On a GPU without active NVLink UCX turns cuda_ipc READ off: "
+        "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y turns it on"]
+
+
 # ---- the store ----------------------------------------------------------------------------------
 class DictStore:
     """torch.distributed.Store's set/get/wait over a dict."""
@@ -345,18 +430,20 @@ def test_a_vram_rank_stages_only_the_region_and_pushes_back_only_changes(monkeyp
 
 
 # ---- hardware/gpu-check ---------------------------------------------------------------------------
-def test_gpu_check_refuses_clearly_without_cuda() -> None:
+def test_gpu_check_refuses_clearly_without_cuda(tmp_path) -> None:
     pytest.importorskip("torch")
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal cannot be shown here")
-    out = subprocess.run([sys.executable, str(ROOT / "hardware" / "gpu-check")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.startswith("hardware/gpu-check: refused: no CUDA device: "
-                                 "torch.cuda.is_available() is False")
-    assert not (ROOT / "reports" / "gpu" / "summary.json").exists()
+    for extra, needs in (([], "1 GPU(s)"), (["--gpus", "2"], "2 GPU(s)")):
+        out = subprocess.run([sys.executable, str(ROOT / "hardware" / "gpu-check"), *extra],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr.startswith("hardware/gpu-check: refused: no CUDA device: "
+                                     "torch.cuda.is_available() is False")
+        assert f"this check needs {needs}" in out.stderr
+        assert not (tmp_path / "reports").exists()  # nothing written where results go
 
 
 _TINY = """
@@ -480,3 +567,23 @@ def test_an_oversized_store_value_is_refused_both_ways() -> None:
     raw.data["slot/0"] = msgpack.packb(big)  # written by someone else
     with pytest.raises(ProtocolError, match=r"^store value 'slot/0' is \d+ B, over "):
         store.take("slot/0", 1.0)
+
+
+def test_a_one_gpu_gpu_check_says_the_copy_never_left_the_device() -> None:
+    """reports/gpu/ was measured on one GPU: the summary must say that P and D shared it, and
+    the calibration table must not pass off an NVLink profile's figure as predicting it."""
+    from hkvsim.lab_check import _markdown
+
+    row = {"variant": 0, "point": {"workload.prompt_tokens": 1024}, "bytes": 10,
+           "descriptors": 2, "measured_p50_s": 0.002, "simulated_p50_s": 0.001, "error": -0.5}
+    base = {"when": "t", "device": "cuda", "host": "h", "steps": {
+        "vram registration": {"ok": True}, "calibration sweep": {
+            "ok": False, "problems": ["torchrun exit status 1"]}}, "calibration": [row]}
+    one = _markdown({**base, "gpus": 1, "placement": "P and D both on GPU 0: the copy stays "
+                     "inside one device"})
+    assert "- GPUs used: 1 (P and D both on GPU 0: the copy stays inside one device)" in one
+    assert "here both ran on one GPU, so the measured copy never left the device" in one
+    assert "- **calibration sweep**: FAILED -- torchrun exit status 1" in one
+    assert "| 0 | {\"workload.prompt_tokens\": 1024} | 10 | 2 | 2.000 ms | 1.000 ms | -50 % |" in one
+    two = _markdown({**base, "gpus": 2, "placement": "P on GPU 0, D on GPU 1"})
+    assert "never left the device" not in two and "- GPUs used: 2 (P on GPU 0, D on GPU 1)" in two
