@@ -199,9 +199,13 @@ def test_gpu_emulation_counts_only_gpu_pairs_between_processes() -> None:
     assert ucx_emulated_device_rma(table(
         "intra-node", "read by ucp_get* into host memory from cuda/dev[1]",
         "software emulation | tcp/lo")) == []
-    assert ucx_emulated_device_rma(table(
-        "intra-node", "read by ucp_get* into cuda/GPU0 from cuda/dev[1]",
-        "zero-copy   | rc_mlx5/mlx5_0:1")) == []
+    zero_copy = table("intra-node", "read by ucp_get* into cuda/GPU0 from cuda/dev[1]",
+                      "zero-copy   | rc_mlx5/mlx5_0:1")
+    assert ucx_emulated_device_rma(zero_copy) == []
+    # a table of another kind after it ends it: its emulated rows are not the GPU read's
+    atomic = ("[1.0] [vm:1:0]   | remote memory atomic by ucp_atomic_op* on host memory |\n"
+              "[1.0] [vm:1:0]   | 0..inf | software emulation | tcp/lo |\n")
+    assert ucx_emulated_device_rma(zero_copy + atomic) == []
 
 
 def test_a_run_whose_gpu_memory_ucx_emulates_says_so() -> None:
