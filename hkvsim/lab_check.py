@@ -1,22 +1,24 @@
 """``hardware/gpu-check``: what a GPU lab runs first, writing ``reports/gpu/``.
 
-1. preflight: torch with CUDA and the GPUs asked for (``--gpus``: 2 by default where two are
-   visible, else 1), NIXL importable, no ``expandable_segments:True`` (refuses clearly
-   otherwise, before anything runs);
-2. VRAM registration: on each GPU used, a NIXL agent registers a VRAM buffer and deregisters it
+First a preflight: torch with CUDA and the GPUs asked for (``--gpus``: 2 by default where two
+are visible, else 1), NIXL importable, no ``expandable_segments:True`` (it refuses clearly
+otherwise, before anything runs). Then the steps:
+
+1. VRAM registration: on each GPU used, a NIXL agent registers a VRAM buffer and deregisters it
    (NIXL issue #334 shows up here);
-3. tiny-kimi-linear pull and push under torchrun (P on GPU 0, D on GPU 1; with one GPU both
+2. tiny-kimi-linear pull and push under torchrun (P on GPU 0, D on GPU 1; with one GPU both
    ranks share GPU 0, so the copy stays inside one device and no GPU-to-GPU link is used),
    every byte checked by the oracle;
-4. a NIXL transfer sweep between two processes on the lab's memory (VRAM on GPU 0 with
+3. a NIXL transfer sweep between two processes on the lab's memory (VRAM on GPU 0 with
    ``--device cuda``, DRAM on cpu): descriptor sizes x counts, READ and WRITE, NIXL's own
-   telemetry per point, plus the first transfer's cost (cuda_ipc maps the peer's memory then);
-5. a short calibration sweep (kimi-linear-48b geometry, prompt lengths x descriptor merging),
+   telemetry per point, the first transfer's cost, and each point as the shipped profile
+   predicts it;
+4. a short calibration sweep (kimi-linear-48b geometry, prompt lengths x descriptor merging),
    measured next to the simulator's prediction for the same file (whose profile models two
-   GPUs on NVLink: on one GPU the comparison says so).
+   GPUs on NVLink: on one GPU the summary says so).
 
-Steps 3 and 5 are the torchrun path of :mod:`hkvsim.lab`; CI runs the same code on CPU
-(``--device cpu``, which skips step 2 and the CUDA preflight) so only CUDA itself is untested
+Steps 2 and 4 are the torchrun path of :mod:`hkvsim.lab`; CI runs the same code on CPU
+(``--device cpu``, which skips step 1 and the CUDA preflight) so only CUDA itself is untested
 there. Exit status: 0 every step passed, 1 a step failed, 2 refused (preflight).
 """
 
@@ -26,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +40,7 @@ import numpy as np
 __all__ = ["main", "preflight", "byte_problems", "calibration_rows"]
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "hardware" / "scenarios"  # in a checkout
+TIMED_OUT = 124  # torchrun_json's exit status for a step killed at its timeout (as timeout(1))
 
 
 def preflight(device: str, gpus: int = 2) -> list[str]:
@@ -109,18 +113,74 @@ def torchrun_json(scenario: Path, *, nproc: int, device: str, log_dir: Path,
                   timeout: float, ranks_per_gpu: int = 1
                   ) -> tuple[int, dict[str, Any] | None, str]:
     """Run ``scenario`` under ``torchrun --standalone``, through hkvsim.lab_torchrun (its store
-    on loopback only); (exit status, JSON or None, stderr)."""
+    on loopback only); (exit status, JSON or None, stderr). Past ``timeout`` seconds the whole
+    process tree (torchrun and every worker and rank it started) is killed and the exit status
+    is :data:`TIMED_OUT`, with stderr saying so: a step that hangs fails, the check goes on."""
     cmd = [sys.executable, "-m", "hkvsim.lab_torchrun", "--standalone", "--nproc-per-node",
            str(nproc), "-m", "hkvsim.lab", str(scenario), "--device", device, "--json", "--requests", "--log-dir", str(log_dir),
            "--ranks-per-gpu", str(ranks_per_gpu)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
-                              "OMP_NUM_THREADS", "1")})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
+                                "OMP_NUM_THREADS", "1")})
     try:
-        data = json.loads(proc.stdout) if proc.stdout.strip() else None
+        stdout, stderr = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        stdout, stderr = proc.communicate()
+        stdout, code = "", TIMED_OUT
+        stderr += (f"\nhardware/gpu-check: {scenario.name} did not finish within {timeout:g} s "
+                   f"(--timeout); torchrun and its workers were killed")
+    try:
+        data = json.loads(stdout) if stdout.strip() else None
     except json.JSONDecodeError:
         data = None
-    return proc.returncode, data, proc.stderr
+    return code, data, stderr
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process below ``pid`` (from /proc), each with its start time (so a pid reused by
+    another process later is not mistaken for it): torchrun starts its workers in sessions of
+    their own, so its process group does not hold them."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append((int(stat.parent.name), fields[19]))
+    out: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        for child, started in children.get(todo.pop(), []):
+            out[child] = started
+            todo.append(child)
+    return out
+
+
+def _started(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _kill_tree(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
+    """SIGTERM to torchrun (its agent stops its workers), then SIGKILL to whatever of the tree
+    is left after ``grace`` seconds."""
+    tree = _descendants(proc.pid)
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    tree.update(_descendants(proc.pid))
+    for pid, started in tree.items():
+        if _started(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _variants(data: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -174,7 +234,7 @@ SWEEP_PROFILES = {"VRAM": "h200-nvlink", "DRAM": "cpu-ucx-loopback"}
 
 
 def transfer_sweep(memory: str, budget: float, *, quick: bool = False) -> dict[str, Any]:
-    """Step 4: the calibration sweep of ``hkvsim calibrate`` on ``memory``, with the simulator's
+    """Step 3: the calibration sweep of ``hkvsim calibrate`` on ``memory``, with the simulator's
     fitted constants for it (reported, never written to a profile) and each point as the
     shipped profile for that memory predicts it (untuned: a prediction, not a fit)."""
     from .backends.calibrate import SweepPoint, fit, predict, run_sweep
@@ -262,11 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, choices=[1, 2], default=None,
                    help="GPUs to use: 2 puts P and D on different GPUs, 1 puts both on GPU 0 "
                         "(no GPU-to-GPU link is exercised); default 2 where two are visible")
-    p.add_argument("--skip-sweep", action="store_true", help="no NIXL transfer sweep (step 4)")
+    p.add_argument("--skip-sweep", action="store_true", help="no NIXL transfer sweep (step 3)")
     p.add_argument("--sweep-budget", type=float, default=60.0,
                    help="seconds of measuring for the transfer sweep (default 60)")
     p.add_argument("--skip-calibration", action="store_true",
-                   help="no scenario calibration sweep (step 5)")
+                   help="no scenario calibration sweep (step 4)")
     p.add_argument("--timeout", type=float, default=900.0, help="per torchrun step (s)")
     p.add_argument("--scenarios", default=str(SCENARIOS),
                    help="folder with gpu-pull-push.toml and gpu-calibration.toml")
@@ -285,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                                                if k.startswith(("UCX_", "NIXL_"))}}
     share = 1
     if args.device == "cuda":
-        share = 3 - gpus  # one GPU: the P and the D worker both on GPU 0
+        share = 2 if gpus == 1 else 1  # one GPU: the P and the D worker both on GPU 0
         summary.update(gpus=gpus, placement="P on GPU 0, D on GPU 1" if gpus == 2 else
                        "P and D both on GPU 0: the copy stays inside one device")
     steps = summary["steps"]
@@ -307,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sweep = transfer_sweep(memory, args.sweep_budget)
             summary["transfer_sweep"] = sweep
-            (out / "transfer-sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
+            (out / "transfer-sweep.json").write_text(json.dumps(sweep, indent=2, allow_nan=False)
+                                                     + "\n")
             steps[f"NIXL transfer sweep ({memory})"] = {"ok": True, "problems": []}
         except (RuntimeError, ValueError) as exc:
             steps[f"NIXL transfer sweep ({memory})"] = {"ok": False, "problems": [str(exc)]}
@@ -320,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        + "\n")
         rows = calibration_rows(data, calib)
         summary["calibration"] = rows
-        found = byte_problems(data, len(rows)) + ([f"torchrun exit status {rc}"] if rc else [])
+        found = byte_problems(data, len(rows)) + ([f"torchrun exit status {rc}: "
+                                                   f"{err.strip()[-400:]}"] if rc else [])
         steps["calibration sweep"] = {"ok": not found, "problems": found}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     (out / "summary.md").write_text(_markdown(summary))

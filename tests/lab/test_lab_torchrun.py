@@ -259,3 +259,25 @@ def test_two_torchrun_nodes_on_loopback_put_prefill_and_decode_apart(torchrun, t
     logs = {n: sorted(p.name for p in (tmp_path / f"node{n}").rglob("*.log")) for n in range(2)}
     assert sorted(logs.values()) == [["decode0.0.log", "decode0.1.log"],
                                      ["prefill0.0.log", "prefill0.1.log"]]
+
+
+@pytest.mark.timeout(120)
+def test_a_gpu_check_step_that_hangs_fails_and_leaves_no_process(torchrun, tmp_path) -> None:
+    """On the first H200 run the scenario calibration step outran its timeout, and gpu-check
+    died with a traceback and wrote no summary. A step past its timeout now fails with a line
+    saying so, and torchrun's workers and ranks are killed with it."""
+    import time
+
+    from hkvsim.lab_check import TIMED_OUT, torchrun_json
+
+    logs = tmp_path / "hung-step-logs"
+    start = time.monotonic()
+    rc, data, err = torchrun_json(ROOT / "hardware" / "scenarios" / "gpu-pull-push.toml",
+                                  nproc=2, device="cpu", log_dir=logs, timeout=2.0)
+    assert time.monotonic() - start < 30
+    assert (rc, data) == (TIMED_OUT, None)
+    assert err.endswith("hardware/gpu-check: gpu-pull-push.toml did not finish within 2 s "
+                        "(--timeout); torchrun and its workers were killed")
+    time.sleep(1.0)
+    left = subprocess.run(["pgrep", "-f", str(logs)], capture_output=True, text=True)
+    assert left.stdout == "", f"processes left behind: {left.stdout}"

@@ -591,3 +591,36 @@ def test_a_one_gpu_gpu_check_says_the_copy_never_left_the_device() -> None:
     assert "| 0 | {\"workload.prompt_tokens\": 1024} | 10 | 2 | 2.000 ms | 1.000 ms | -50 % |" in one
     two = _markdown({**base, "gpus": 2, "placement": "P on GPU 0, D on GPU 1"})
     assert "never left the device" not in two and "- GPUs used: 2 (P on GPU 0, D on GPU 1)" in two
+
+
+def test_a_timed_out_step_kills_workers_in_sessions_of_their_own(tmp_path) -> None:
+    """torchrun starts its workers in new sessions: killing its process group would leave them.
+    The timeout kills the whole tree, even what outlives its parent's SIGTERM."""
+    import os
+    import time
+
+    from hkvsim.lab_check import _kill_tree
+
+    marker = tmp_path / "grandchild.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " start_new_session=True)\n"
+        f"open({str(marker)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], text=True)
+    end = time.monotonic() + 20
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < end, "the grandchild did not start"
+        time.sleep(0.05)
+    grandchild = int(marker.read_text())
+    _kill_tree(proc, grace=0.5)
+    proc.wait(5)
+    end = time.monotonic() + 5
+    while os.path.exists(f"/proc/{grandchild}") and time.monotonic() < end:
+        state = open(f"/proc/{grandchild}/stat").read().rsplit(")", 1)[1].split()[0]
+        if state == "Z":  # killed, waiting for its (re)parent to reap it
+            break
+        time.sleep(0.05)
+    else:
+        assert not os.path.exists(f"/proc/{grandchild}"), "the grandchild survived"

@@ -46,7 +46,7 @@ def test_fit_recovers_a_linear_machine() -> None:
 
 @pytest.mark.timeout(120)
 def test_gpu_check_transfer_sweep_on_dram(tmp_path) -> None:
-    """hardware/gpu-check's step 4 (the calibration sweep on the lab's memory, VRAM on a GPU):
+    """hardware/gpu-check's step 3 (the calibration sweep on the lab's memory, VRAM on a GPU):
     on DRAM here. Every point moves bytes through real NIXL, the memory type is recorded, the
     fit has no infinity in it (JSON has none), and the table has a row per point."""
     from hkvsim.lab_check import _sweep_markdown, transfer_sweep
