@@ -82,6 +82,15 @@ def _visible_gpus() -> int:
     return 2 if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else 1
 
 
+def gpu_placement(device: str, gpus: int) -> tuple[int, str]:
+    """(workers per GPU, a line saying where P and D run) for the two-rank steps."""
+    if device != "cuda":
+        return 1, "P and D in DRAM"
+    if gpus == 1:  # the P and the D worker both on GPU 0
+        return 2, "P and D both on GPU 0: the copy stays inside one device"
+    return 1, "P on GPU 0, D on GPU 1"
+
+
 def vram_registration(devices: list[int], nbytes: int = 64 << 20) -> dict[str, Any]:
     """Register and deregister a VRAM buffer with a NIXL agent on each device (CUDA only)."""
     import torch
@@ -343,11 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                                "device": args.device, "host": os.uname().nodename, "steps": {},
                                "environment": {k: v for k, v in sorted(os.environ.items())
                                                if k.startswith(("UCX_", "NIXL_"))}}
-    share = 1
+    share, placement = gpu_placement(args.device, gpus)
     if args.device == "cuda":
-        share = 2 if gpus == 1 else 1  # one GPU: the P and the D worker both on GPU 0
-        summary.update(gpus=gpus, placement="P on GPU 0, D on GPU 1" if gpus == 2 else
-                       "P and D both on GPU 0: the copy stays inside one device")
+        summary.update(gpus=gpus, placement=placement)
     steps = summary["steps"]
     if args.device == "cuda":
         reg = vram_registration(list(range(gpus)))

@@ -573,6 +573,15 @@ def test_an_oversized_store_value_is_refused_both_ways() -> None:
         store.take("slot/0", 1.0)
 
 
+def test_gpu_check_shares_the_gpu_only_when_there_is_one() -> None:
+    from hkvsim.lab_check import gpu_placement
+
+    assert gpu_placement("cuda", 1) == (
+        2, "P and D both on GPU 0: the copy stays inside one device")
+    assert gpu_placement("cuda", 2) == (1, "P on GPU 0, D on GPU 1")
+    assert gpu_placement("cpu", 2) == (1, "P and D in DRAM")
+
+
 def test_a_one_gpu_gpu_check_says_the_copy_never_left_the_device() -> None:
     """reports/gpu/ was measured on one GPU: the summary must say that P and D shared it, and
     the calibration table must not pass off an NVLink profile's figure as predicting it."""
