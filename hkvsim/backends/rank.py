@@ -216,7 +216,8 @@ class _HostStagedExecutor(RankExecutor):
     """A rank executor whose cache may live in VRAM: oracle steps run on the host shadow. Only
     the region the step touches is copied from the device (its blocks' pages, see
     :func:`staging_spans`; the whole cache for a step without block ids), and only the bytes a
-    write changed are pushed back (DMA may be landing elsewhere meanwhile)."""
+    write changed are pushed back, in one masked copy per span (DMA may be landing elsewhere
+    meanwhile)."""
 
     def __init__(self, rank: Any, worker: Any, oracle: Any, transport: Any) -> None:
         super().__init__(rank, worker, oracle)
@@ -234,7 +235,7 @@ class _HostStagedExecutor(RankExecutor):
             self._spans = None
 
     def access(self, write: bool, fn: Callable[[np.ndarray], Any]) -> Any:
-        from ..transport.nixl import device_sync
+        from ..transport.nixl import device_sync, device_write_changed
 
         memory = self.worker.memory
         if memory.mem_type != "VRAM":
@@ -244,17 +245,9 @@ class _HostStagedExecutor(RankExecutor):
         self.staged_bytes += sum(b - a for a, b in spans)
         before = [memory.array[a:b].copy() for a, b in spans] if write else []
         result = fn(memory.array)
-        back: list[tuple[int, int]] = []
-        for (a, b), old in zip(spans, before):
-            changed = np.flatnonzero(memory.array[a:b] != old)
-            if changed.size:  # push back only what this rank wrote, run by run
-                cut = np.flatnonzero(np.diff(changed) != 1)
-                starts = np.concatenate([[changed[0]], changed[cut + 1]])
-                ends = np.concatenate([changed[cut], [changed[-1]]]) + 1
-                back += [(a + int(x), a + int(y)) for x, y in zip(starts, ends)]
-        if back:
-            device_sync(self.transport, memory, to_device=True, ranges=back)
-            self.staged_bytes += sum(b - a for a, b in back)
+        for (a, b), old in zip(spans, before):  # push back only the bytes this rank wrote
+            self.staged_bytes += device_write_changed(self.transport, memory, a,
+                                                      memory.array[a:b] != old)
         return result
 
 

@@ -394,7 +394,7 @@ def test_a_vram_rank_stages_only_the_region_and_pushes_back_only_changes(monkeyp
     from hkvsim.transport.base import Memory
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
-    layout = _layout("tiny-kimi-linear", 1)
+    layout = _layout("tiny-kimi-linear", 1, blocks=48)
     device = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     shadow = np.zeros(layout.total_bytes, np.uint8)
     memory = Memory(base_addr=0, array=shadow, mem_type="VRAM", device_id=0)
@@ -414,8 +414,17 @@ def test_a_vram_rank_stages_only_the_region_and_pushes_back_only_changes(monkeyp
     region = sum(b - a for a, b in staging_spans(layout, blocks))
     other = layout.total_bytes - 1  # a byte no op here touches: DMA "landing" on the device
     device[other] = 77
+    copies = []  # host arrays handed to torch: one per host<->device copy
+    real_from_numpy = torch.from_numpy
+    monkeypatch.setattr(torch, "from_numpy", lambda a: copies.append(a.size) or real_from_numpy(a))
     executor.execute(OracleWrite(request=2, blocks=blocks, tokens=(0, 40), state_step=40))
-    assert executor.staged_bytes <= 2 * region < layout.total_bytes
+    monkeypatch.setattr(torch, "from_numpy", real_from_numpy)
+    # the region down, then its values and their changed-mask back: 3x the region at most
+    assert executor.staged_bytes <= 3 * region < layout.total_bytes
+    # and a handful of copies, not one per run of changed bytes (a random pattern over zeros
+    # leaves ~1 byte in 256 unchanged: 145,782 runs, each its own copy on the first H200 run)
+    spans = staging_spans(layout, blocks)
+    assert len(copies) <= 3 * len(spans), len(copies)
     assert int(device[other]) == 77 and shadow[other] == 0  # neither copied nor overwritten
     expected = np.zeros(layout.total_bytes, np.uint8)
     Oracle(layout.model).write(expected, layout, 0, 2, blocks=blocks, tokens=(0, 40),
@@ -431,6 +440,41 @@ def test_a_vram_rank_stages_only_the_region_and_pushes_back_only_changes(monkeyp
     words, _ = executor.execute(Verify(request=2, blocks=blocks, tokens=(0, 40), state_step=40,
                                        zero_tail=None, compute=(40, 40), compute_step=None))
     assert words > 0
+
+
+def test_a_masked_push_back_leaves_a_dma_landing_inside_the_span_alone(monkeypatch) -> None:
+    """Bytes of the staged span that the oracle step did not change keep whatever the device has
+    now (a DMA may land there while the step runs), also when the span is cut into pieces."""
+    torch = pytest.importorskip("torch")
+    import hkvsim.transport.nixl as nixl_transport
+    from hkvsim.backends.rank import _HostStagedExecutor
+    from hkvsim.transport.base import Memory
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+    monkeypatch.setattr(nixl_transport, "MASKED_CHUNK_BYTES", 64)  # several pieces
+    device = torch.zeros(1000, dtype=torch.uint8)
+    memory = Memory(base_addr=0, array=np.zeros(1000, np.uint8), mem_type="VRAM", device_id=0)
+    worker = type("Worker", (), {})()
+    worker.memory = memory
+
+    class Transport:
+        def device_tensor(self, m):
+            return device if m is memory else None
+
+    executor = _HostStagedExecutor(("decode0", 0), worker, None, Transport())
+    executor._spans = [(100, 900)]
+
+    def step(host: np.ndarray) -> None:
+        host[110:120] = 5  # this rank's write
+        host[700] = 6
+        device[500] = 99  # a DMA landing meanwhile, inside the span, on a byte left alone
+        device[50] = 98  # and one outside it
+
+    executor.access(True, step)
+    assert device[110:120].tolist() == [5] * 10 and int(device[700]) == 6
+    assert int(device[500]) == 99 and int(device[50]) == 98
+    assert int(device[120]) == 0 and int(device.sum()) == 5 * 10 + 6 + 99 + 98
+    assert executor.staged_bytes == 800 + 2 * (64 * 2)  # down: the span; back: two pieces
 
 
 # ---- hardware/gpu-check ---------------------------------------------------------------------------
