@@ -467,13 +467,14 @@ def test_a_masked_push_back_leaves_a_dma_landing_inside_the_span_alone(monkeypat
     def step(host: np.ndarray) -> None:
         host[110:120] = 5  # this rank's write
         host[700] = 6
-        device[500] = 99  # a DMA landing meanwhile, inside the span, on a byte left alone
-        device[50] = 98  # and one outside it
+        device[705] = 99  # a DMA landing meanwhile, beside a changed byte in the same piece
+        device[500] = 97  # in a piece with no change
+        device[50] = 98  # outside the span
 
     executor.access(True, step)
     assert device[110:120].tolist() == [5] * 10 and int(device[700]) == 6
-    assert int(device[500]) == 99 and int(device[50]) == 98
-    assert int(device[120]) == 0 and int(device.sum()) == 5 * 10 + 6 + 99 + 98
+    assert (int(device[705]), int(device[500]), int(device[50])) == (99, 97, 98)
+    assert int(device[120]) == 0 and int(device.sum()) == 5 * 10 + 6 + 99 + 97 + 98
     assert executor.staged_bytes == 800 + 2 * (64 * 2)  # down: the span; back: two pieces
 
 
