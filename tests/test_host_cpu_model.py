@@ -527,3 +527,60 @@ def test_the_fit_searches_the_contention_and_writes_it_into_the_profile(tmp_path
     assert "\ncore_contention = 0.25\n" in text
     (tmp_path / "p.toml").write_text(text)
     assert load_profile(str(tmp_path / "p.toml")).core_contention == 0.25
+
+
+def test_operations_that_hold_the_loop_while_a_transfer_is_in_progress_are_counted() -> None:
+    """On the first H200 run, oracle steps of 0.9-3 s ran while cuda_ipc transfers were in
+    flight; NIXL times a transfer up to the poll that sees it done, so those transfers looked
+    seconds long. The rank counts such operations and the run warns about the long ones."""
+    from hkvsim.pd.cpu import BLOCKED_WARN_SECONDS, blocked_warnings
+
+    a, b = RankCpu(), RankCpu()
+    a.add_blocked("Verify", 0.9)
+    a.add_blocked("Verify", 0.1)
+    b.add_blocked("Verify", 0.4)
+    b.add_blocked("StartRead", 0.001)
+    merged = merge_rank_cpu([a.to_wire(), b.to_wire()])
+    assert merged["blocked"] == {"StartRead": [1, pytest.approx(0.001), pytest.approx(0.001)],
+                                 "Verify": [3, pytest.approx(1.4), pytest.approx(0.9)]}
+    assert blocked_warnings(merged) == [
+        "ranks ran Verify 3 time(s) while a NIXL transfer of theirs was in progress, for up to "
+        "0.900 s (1.400 s in all), without polling NIXL: a transfer that completed meanwhile is "
+        "timed (wire) up to that much too long"]
+    just_under = RankCpu()
+    just_under.add_blocked("Verify", BLOCKED_WARN_SECONDS * 0.99)
+    assert blocked_warnings(merge_rank_cpu([just_under.to_wire()])) == []
+    at = RankCpu()
+    at.add_blocked("Verify", BLOCKED_WARN_SECONDS)
+    assert len(blocked_warnings(merge_rank_cpu([at.to_wire()]))) == 1
+    older = {"by_op": {}, "posts": 0, "post_cpu_seconds": 0.0}  # stored records have none
+    assert "blocked" not in merge_rank_cpu([older]) and blocked_warnings(older) == []
+    assert merge_rank_cpu([older, a.to_wire()])["blocked"]["Verify"][0] == 2
+    with pytest.raises(ValueError, match="rank CPU record .*'blocked'"):
+        merge_rank_cpu([{**older, "blocked": {"Verify": [1, 0.1]}}])
+
+
+def test_a_rank_counts_only_operations_run_while_a_transfer_is_in_progress() -> None:
+    """The rank loop asks its transport how many transfers are in progress before each
+    operation: with UCX cma the copy ends inside the post (none), on a GPU it does not."""
+    from types import SimpleNamespace
+
+    from hkvsim.backends.rank import RankProcess
+    from hkvsim.pd.ops import op_to_wire
+
+    sent = []
+    proc = RankProcess.__new__(RankProcess)
+    proc.chan = SimpleNamespace(send=sent.append)
+    proc.cpu = RankCpu()
+    proc.executor = SimpleNamespace(execute=lambda op: [], oracle=None,
+                                    worker=SimpleNamespace(layout=None))
+    in_progress = [0]
+    proc.transport = SimpleNamespace(transfers_in_progress=lambda: in_progress[0])
+    from hkvsim.pd.ops import SendNotif
+
+    message = {**op_to_wire(SendNotif(agents=("prefill0.0",), message=b"x")), "seq": 1}
+    proc._command(message)
+    assert proc.cpu.blocked == {} and sent[-1]["ok"], sent
+    in_progress[0] = 2
+    proc._command({**message, "seq": 2})
+    assert list(proc.cpu.blocked) == ["SendNotif"] and proc.cpu.blocked["SendNotif"][0] == 1

@@ -538,8 +538,11 @@ class RankProcess:
                 return
             rank_op = op_from_wire(message)
             assert self.executor is not None
-            started = time.process_time()
+            started, wall = time.process_time(), time.perf_counter()
+            waiting = getattr(self.transport, "transfers_in_progress", lambda: 0)()
             value = self.executor.execute(rank_op)
+            if waiting:
+                self.cpu.add_blocked(type(rank_op).__name__, time.perf_counter() - wall)
             blocks = getattr(rank_op, "blocks", None)
             self.cpu.add_op(type(rank_op).__name__, time.process_time() - started,
                             oracle_bytes(self.worker.layout, blocks)

@@ -61,7 +61,7 @@ from ..backends.side_channel import (
     read_message,
 )
 from ..faults import FaultPlan
-from ..pd.cpu import merge_rank_cpu
+from ..pd.cpu import blocked_warnings, merge_rank_cpu
 from ..pd.coordinator import Call, Coordinator, Posting
 from .base import CoordinatorLoop
 from ..pd.deployment import build_deployment
@@ -765,14 +765,15 @@ class NixlDriver:
         await self._shutdown_ranks()
         leaks["after_shutdown"] = self._after_shutdown
         layouts = {role: es[0].layout for role, es in self.dep.engines.items()}
+        rank_cpu = merge_rank_cpu([s["cpu"] for s in stats if "cpu" in s])
         return RunResult(scenario=self.scenario, records=self.coord.records,
                          handshake_errors=self.coord.handshake_errors, leaks=leaks,
                          counters=counters, sim_seconds=self.coord.makespan(), layouts=layouts,
-                         warnings=self.coord.warnings() + self._emulation_warnings(),
+                         warnings=(self.coord.warnings() + self._emulation_warnings()
+                                   + blocked_warnings(rank_cpu)),
                          verified=self.verify, backend="nixl",
                          link_segments=[], implementation=self._implementation(),
-                         rank_cpu={**merge_rank_cpu([s["cpu"] for s in stats if "cpu" in s]),
-                                   "coordinator": coordinator_cpu})
+                         rank_cpu={**rank_cpu, "coordinator": coordinator_cpu})
 
     def _emulation_warnings(self) -> list[str]:
         """One warning per rank whose GPU-to-GPU RMA UCX did by software emulation: its transfer

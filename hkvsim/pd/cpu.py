@@ -54,6 +54,10 @@ class RankCpu:
     # loop iterations calling into NIXL, [iterations, CPU seconds], idle / with transfers in flight
     poll_idle: list[float] = field(default_factory=lambda: [0, 0.0])
     poll_busy: list[float] = field(default_factory=lambda: [0, 0.0])
+    # rank operations started while a NIXL transfer of this rank was last seen in progress: the
+    # loop polls NIXL only between them, so NIXL sees (and times) a completion that lands
+    # meanwhile only afterwards. {op name: [count, wall seconds, longest wall seconds]}
+    blocked: dict[str, list[float]] = field(default_factory=dict)
 
     def add_op(self, name: str, cpu_seconds: float, oracle: int = 0) -> None:
         entry = self.by_op.setdefault(name, OpCpu())
@@ -70,11 +74,18 @@ class RankCpu:
         entry[0] += 1
         entry[1] += cpu_seconds
 
+    def add_blocked(self, name: str, wall_seconds: float) -> None:
+        entry = self.blocked.setdefault(name, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += wall_seconds
+        entry[2] = max(entry[2], wall_seconds)
+
     def to_wire(self) -> dict[str, Any]:
         return {"by_op": {k: [v.ops, v.cpu_seconds, v.oracle_bytes]
                           for k, v in sorted(self.by_op.items())},
                 "posts": self.posts, "post_cpu_seconds": self.post_cpu_seconds,
-                "polls": {"idle": list(self.poll_idle), "busy": list(self.poll_busy)}}
+                "polls": {"idle": list(self.poll_idle), "busy": list(self.poll_busy)},
+                "blocked": {k: list(v) for k, v in sorted(self.blocked.items())}}
 
 
 def merge_rank_cpu(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -86,6 +97,7 @@ def merge_rank_cpu(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
     posts, post_cpu = 0, 0.0
     calls, coordinator_cpu, with_coordinator = 0, 0.0, False
     polls: dict[str, list[float]] | None = None
+    blocked: dict[str, list[float]] | None = None
     for part in parts:
         try:
             if "coordinator" in part:
@@ -105,15 +117,44 @@ def merge_rank_cpu(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
                     n, cpu = part["polls"][kind]
                     polls[kind][0] += int(n)
                     polls[kind][1] += float(cpu)
+            if "blocked" in part:
+                blocked = {} if blocked is None else blocked
+                for name, (n, total, longest) in part["blocked"].items():
+                    acc = blocked.setdefault(str(name), [0, 0.0, 0.0])
+                    acc[0] += int(n)
+                    acc[1] += float(total)
+                    acc[2] = max(acc[2], float(longest))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"rank CPU record {part!r}: {exc}; allowed: {{'by_op': {{name: "
                              "[ops, cpu_seconds, oracle_bytes]}, 'posts': int, "
                              "'post_cpu_seconds': float, optional 'polls': {'idle': "
-                             "[iterations, cpu_seconds], 'busy': [...]}}") from None
+                             "[iterations, cpu_seconds], 'busy': [...]}, optional 'blocked': "
+                             "{name: [count, wall_seconds, longest_seconds]}}") from None
     out: dict[str, Any] = {"by_op": {k: by_op[k] for k in sorted(by_op)}, "posts": posts,
                            "post_cpu_seconds": post_cpu}
     if polls is not None:
         out["polls"] = polls
+    if blocked is not None:
+        out["blocked"] = {k: blocked[k] for k in sorted(blocked)}
     if with_coordinator:
         out["coordinator"] = {"calls": calls, "cpu_seconds": coordinator_cpu}
+    return out
+
+
+BLOCKED_WARN_SECONDS = 0.05
+
+
+def blocked_warnings(rank_cpu: Mapping[str, Any]) -> list[str]:
+    """A warning per operation kind that held a rank's loop for :data:`BLOCKED_WARN_SECONDS` or
+    more while one of its NIXL transfers was in progress: NIXL times a transfer from its post to
+    the poll that sees it done, so such a transfer's time includes the wait (on the first H200
+    run, oracle steps of 0.9-3 s did this). Cannot happen when the copy finishes inside the post
+    (UCX cma on a CPU)."""
+    out = []
+    for name, (count, total, longest) in sorted((rank_cpu.get("blocked") or {}).items()):
+        if longest >= BLOCKED_WARN_SECONDS:
+            out.append(f"ranks ran {name} {int(count)} time(s) while a NIXL transfer of theirs "
+                       f"was in progress, for up to {longest:.3f} s ({total:.3f} s in all), "
+                       f"without polling NIXL: a transfer that completed meanwhile is timed "
+                       f"(wire) up to that much too long")
     return out

@@ -673,6 +673,11 @@ class NixlTransport:
         self._set_state(x, state, "poll")
         return x.state
 
+    def transfers_in_progress(self) -> int:
+        """Transfers last seen in progress (posted, not yet seen done or failed): what a rank
+        that stops polling NIXL delays the completion of. 0 where UCX copies inside the post."""
+        return sum(1 for x in self._xfers.values() if x.state == PROC and not x.released)
+
     def xfer_error(self, handle: int) -> str | None:
         x = self._xfers.get(handle)
         return None if x is None else x.error

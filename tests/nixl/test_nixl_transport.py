@@ -84,6 +84,25 @@ def test_read_moves_bytes_notifies_and_reports_telemetry(pair) -> None:
     assert a.open_handles() == 0
 
 
+def test_transfers_in_progress_counts_what_was_last_seen_in_progress(pair) -> None:
+    """What a rank asks before an operation that stops it polling NIXL: on UCX cma the copy
+    ends inside the post, so nothing is in progress afterwards; a transfer last seen PROC (as
+    on a GPU) counts until a poll sees it done, and a released one never does."""
+    a, b, ma, mb, name = pair
+    local = a.prep_xfer_dlist("", _descs(ma.base_addr, [0]))
+    remote = a.prep_xfer_dlist(name, _descs(mb.base_addr, [8 * KIB]))
+    h = a.make_prepped_xfer("READ", local, np.arange(1), remote, np.arange(1), b"")
+    assert a.transfers_in_progress() == 0  # made, not posted
+    a.transfer(h)
+    assert _wait(a, h, b) == DONE and a.transfers_in_progress() == 0
+    a._xfers[h].state = PROC  # as a GPU transfer right after its post
+    assert a.transfers_in_progress() == 1
+    assert a.check_xfer_state(h) == DONE and a.transfers_in_progress() == 0  # a poll sees it
+    a.release_xfer_handle(h)
+    a._xfers[h].state = PROC
+    assert a.transfers_in_progress() == 0  # released: not waited for
+
+
 def test_write_and_non_prepped_strided(pair) -> None:
     a, b, ma, mb, name = pair
     ma.array[:] = 9
