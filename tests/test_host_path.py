@@ -460,3 +460,14 @@ def test_sweep_calibration_refuses_a_loaded_machine(monkeypatch: pytest.MonkeyPa
                               report_dir=None, budget=1.0, json=False)
     assert cal.run_calibration_cli(args) == 2
     assert "load average 99.00 >" in capsys.readouterr().err
+
+
+def test_rank_loop_batches_a_remote_progressing_just_as_the_post_returns_counts() -> None:
+    # the boundary of the case above: the remote's median progress falls at the very instant the
+    # post returns; it has progressed "during the post", so the same batch's poll sees it
+    post = 50e-6 + load_profile(CPU).post_time(1) + 1e-3
+    arrivals = [(0.0, "T1"), (5e-4, "W2")]
+    ends = _thread_order("loop-batches", arrivals,
+                         progress=lambda start, median=False: post if median else post + 9e-6)
+    assert ends["T1"] == pytest.approx(post + 9e-6 + 100e-6, abs=1e-6)
+    assert ends["W2"] == pytest.approx(ends["T1"] + 1e-3, abs=1e-6)
