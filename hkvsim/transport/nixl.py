@@ -250,6 +250,7 @@ class NixlTransport:
         self._registrations: list[_Registration] = []
         self._dlists: dict[int, _DList] = {}
         self._xfers: dict[int, _Xfer] = {}
+        self._posted: set[int] = set()  # handles whose post returned in progress (pruned lazily)
         self._ids = count(1)
         self._remotes: set[str] = set()
         self._peers = PeerRegistrations()
@@ -640,6 +641,8 @@ class NixlTransport:
             raise TransportError(f"{self.name}: {x.error}", kind=x.error_kind) from None
         x.post_seconds = time.perf_counter() - start
         self._set_state(x, state, "post")
+        if x.state == PROC:
+            self._posted.add(handle)
         return x.state
 
     def _set_state(self, x: _Xfer, state: str, where: str) -> None:
@@ -676,7 +679,10 @@ class NixlTransport:
     def transfers_in_progress(self) -> int:
         """Transfers last seen in progress (posted, not yet seen done or failed): what a rank
         that stops polling NIXL delays the completion of. 0 where UCX copies inside the post."""
-        return sum(1 for x in self._xfers.values() if x.state == PROC and not x.released)
+        done = [h for h in self._posted
+                if self._xfers[h].state != PROC or self._xfers[h].released]
+        self._posted.difference_update(done)
+        return len(self._posted)
 
     def xfer_error(self, handle: int) -> str | None:
         x = self._xfers.get(handle)

@@ -95,11 +95,13 @@ def test_transfers_in_progress_counts_what_was_last_seen_in_progress(pair) -> No
     assert a.transfers_in_progress() == 0  # made, not posted
     a.transfer(h)
     assert _wait(a, h, b) == DONE and a.transfers_in_progress() == 0
-    a._xfers[h].state = PROC  # as a GPU transfer right after its post
+    a._xfers[h].state = PROC  # as a GPU transfer whose post returned in progress
+    a._posted.add(h)
     assert a.transfers_in_progress() == 1
     assert a.check_xfer_state(h) == DONE and a.transfers_in_progress() == 0  # a poll sees it
     a.release_xfer_handle(h)
     a._xfers[h].state = PROC
+    a._posted.add(h)
     assert a.transfers_in_progress() == 0  # released: not waited for
 
 
