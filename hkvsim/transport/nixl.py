@@ -839,8 +839,8 @@ def device_write_changed(transport: Any, memory: Memory, lo: int, changed: np.nd
     (a bool array) is set, leaving every other device byte as it is on the device now (a DMA may
     be landing there). Per piece of at most :data:`MASKED_CHUNK_BYTES`: one host-to-device copy of
     the values, one of the mask, and one masked assignment on the device, however scattered the
-    changed bytes are (an oracle pattern over zeros leaves ~1 in 256 bytes unchanged, so copying
-    run by run meant one copy per few hundred bytes: 145,782 copies for a 1.2 MB write). Returns
+    changed bytes are (an oracle write's changed bytes come in runs of a few bytes: copying run
+    by run took 145,782 copies for one 1.2 MB tiny-kimi-linear write). Returns
     the bytes moved host to device (values and mask). A no-op for DRAM."""
     tensor = getattr(transport, "device_tensor", lambda m: None)(memory)
     if tensor is None or not changed.any():
