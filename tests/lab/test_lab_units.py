@@ -618,6 +618,22 @@ def test_an_oversized_store_value_is_refused_both_ways() -> None:
         store.take("slot/0", 1.0)
 
 
+def test_gpu_check_lists_each_variants_run_warnings_under_its_step() -> None:
+    from hkvsim.lab_check import _markdown, run_warnings
+
+    emulated = "decode0 rank 0: UCX moves GPU memory by software emulation (...)"
+    data = {"scenarios": [
+        {"sweep_point": {"connector.mode": "pull"}, "warnings": [emulated, emulated]},
+        {"sweep_point": {"connector.mode": "push"}, "warnings": []}]}
+    assert run_warnings(data) == [f"connector.mode=pull: {emulated}"]
+    assert run_warnings({"warnings": ["w"]}) == ["w"]  # one file without a sweep
+    assert run_warnings(None) == []
+    text = _markdown({"when": "t", "device": "cuda", "host": "h", "steps": {
+        "pull and push": {"ok": True, "problems": [], "warnings": run_warnings(data)}}})
+    assert (f"- **pull and push**: passed\n  - warning: connector.mode=pull: {emulated}\n"
+            in text)
+
+
 def test_gpu_check_shares_the_gpu_only_when_there_is_one() -> None:
     from hkvsim.lab_check import gpu_placement
 
