@@ -46,6 +46,16 @@ def test_plan_shows_requested_and_reused_hits() -> None:
     assert "request 1 asked 40 and reused 0, request 2 asked 700 and reused 640" in warning
 
 
+def test_the_warning_gives_three_examples_and_counts_the_rest() -> None:
+    text = TINY.replace("requests = 4", "requests = 6").format(hits="[40, 41, 42, 43, 44, 160]")
+    (warning,) = plan_scenario(_one(text))["warnings"]
+    assert "5 of 6 request(s)" in warning
+    assert warning.endswith("request 0 asked 40 and reused 0, request 1 asked 41 and reused 0, "
+                            "request 2 asked 42 and reused 0 (and 2 more)")
+    (exactly_three,) = plan_scenario(_one(TINY.format(hits="[40, 41, 42, 160]")))["warnings"]
+    assert exactly_three.endswith("request 2 asked 42 and reused 0")  # none left to count
+
+
 def test_the_issue_example_qwen3_next_512_of_1056_reuses_nothing() -> None:
     text = TINY.replace("tiny-qwen3-next", "qwen3-next-80b").replace("requests = 4",
                                                                      "requests = 1")
