@@ -73,6 +73,9 @@ prompt_tokens = 300
 
     small, large, twice = estimate(64, 10), estimate(4096, 10), estimate(64, 20)
     assert small.descriptor_lists == large.descriptor_lists > 0
+    # the pools' bookkeeping is per logical block per engine (a free-queue slot, an owner and a
+    # version): it grows with num_blocks, 20 bytes each
+    assert large.pools - small.pools == 20 * (4096 - 64) * 2
     assert twice.records == 2 * small.records > 0
     assert all(v > 0 for v in small.as_dict().values()), small.as_dict()
 
