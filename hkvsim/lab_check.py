@@ -126,8 +126,8 @@ def torchrun_json(scenario: Path, *, nproc: int, device: str, log_dir: Path,
     process tree (torchrun and every worker and rank it started) is killed and the exit status
     is :data:`TIMED_OUT`, with stderr saying so: a step that hangs fails, the check goes on."""
     cmd = [sys.executable, "-m", "hkvsim.lab_torchrun", "--standalone", "--nproc-per-node",
-           str(nproc), "-m", "hkvsim.lab", str(scenario), "--device", device, "--json", "--requests", "--log-dir", str(log_dir),
-           "--ranks-per-gpu", str(ranks_per_gpu)]
+           str(nproc), "-m", "hkvsim.lab", str(scenario), "--device", device, "--json",
+           "--requests", "--log-dir", str(log_dir), "--ranks-per-gpu", str(ranks_per_gpu)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
                                 "OMP_NUM_THREADS", "1")})
@@ -136,7 +136,10 @@ def torchrun_json(scenario: Path, *, nproc: int, device: str, log_dir: Path,
         code = proc.returncode
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
-        stdout, stderr = proc.communicate()
+        try:
+            _, stderr = proc.communicate(timeout=10.0)
+        except subprocess.TimeoutExpired:  # something we could not kill holds the pipes
+            stderr = ""
         stdout, code = "", TIMED_OUT
         stderr += (f"\nhardware/gpu-check: {scenario.name} did not finish within {timeout:g} s "
                    f"(--timeout); torchrun and its workers were killed")
