@@ -171,28 +171,58 @@ def _descendants(pid: int) -> dict[int, str]:
 
 
 def _started(pid: int) -> str | None:
+    """The start time of a live process (None once it is gone or a zombie)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    return None if len(fields) < 20 or fields[0] == "Z" else fields[19]
+
+
+def _pipe_holders(proc: subprocess.Popen[str]) -> dict[int, str]:
+    """Processes other than this one holding ``proc``'s stdout or stderr pipe, with their
+    start times: whatever torchrun started, also a worker it started after the tree was listed
+    and that outlived it (re-parented, so no longer below it)."""
+    pipes = {f"pipe:[{os.fstat(f.fileno()).st_ino}]" for f in (proc.stdout, proc.stderr)
+             if f is not None}
+    out: dict[int, str] = {}
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        pid = int(fd_dir.parent.name)
+        if pid == os.getpid():
+            continue
+        try:
+            if any(os.readlink(fd) in pipes for fd in fd_dir.iterdir()):
+                started = _started(pid)
+                if started is not None:
+                    out[pid] = started
+        except OSError:  # gone meanwhile, or not ours to look at
+            continue
+    return out
 
 
 def _kill_tree(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
     """SIGTERM to torchrun (its agent stops its workers), then SIGKILL to whatever of the tree
-    is left after ``grace`` seconds."""
+    is left after ``grace`` seconds, and to anything still holding its output pipes."""
     tree = _descendants(proc.pid)
     proc.terminate()
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:
         proc.kill()
-    tree.update(_descendants(proc.pid))
-    for pid, started in tree.items():
-        if _started(pid) == started:
+    end = time.monotonic() + grace
+    while True:
+        tree.update(_descendants(proc.pid))
+        tree.update(_pipe_holders(proc))
+        alive = {pid: s for pid, s in tree.items() if _started(pid) == s}
+        for pid in alive:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        if not alive or time.monotonic() > end:
+            return
+        tree = {}
+        time.sleep(0.1)
 
 
 def _variants(data: dict[str, Any] | None) -> list[dict[str, Any]]:

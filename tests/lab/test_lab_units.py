@@ -663,6 +663,45 @@ def test_a_one_gpu_gpu_check_says_the_copy_never_left_the_device() -> None:
     assert "never left the device" not in two and "- GPUs used: 2 (P on GPU 0, D on GPU 1)" in two
 
 
+def test_a_timed_out_step_kills_what_holds_its_output_after_its_parent_is_gone(tmp_path) -> None:
+    """In CI a rank process that a worker started after the tree was listed outlived it,
+    re-parented, and kept the step's output pipe open: reading it hung. Whatever still holds
+    the pipes is killed too."""
+    import os
+    import time
+
+    from hkvsim.lab_check import _kill_tree
+
+    marker = tmp_path / "late.pid"
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "def late(*_):\n"
+        "    p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " start_new_session=True)\n"
+        f"    open({str(marker)!r}, 'w').write(str(p.pid))\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, late)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    _kill_tree(proc, grace=2.0)
+    late = int(marker.read_text())
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        try:
+            state = open(f"/proc/{late}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the late process survived holding the pipe")
+    out, _ = proc.communicate(timeout=5)  # nothing holds the pipe any more: this returns
+
+
 def test_a_timed_out_step_kills_workers_in_sessions_of_their_own(tmp_path) -> None:
     """torchrun starts its workers in new sessions: killing its process group would leave them.
     The timeout kills the whole tree, even what outlives its parent's SIGTERM."""
