@@ -158,3 +158,34 @@ verify = false
     peak, estimate = (int(v) for v in out.stdout.split())
     assert 0.7 * peak <= estimate <= 1.3 * peak, (peak, estimate)
 
+
+
+def test_descriptor_lists_count_each_rank_and_each_pairing() -> None:
+    """Pull, P TP2 -> D TP1: each prefill rank prepares its local list; the decode rank its
+    local list, one split list per prefill rank it pairs with (2) and that rank's list (2).
+    Push turns the roles around: P TP2's ranks each pair with the one decode rank."""
+    def lists(mode: str) -> tuple[int, int, int]:
+        (s,) = parse_scenarios(f"""
+[scenario]
+name = "lists"
+[model]
+preset = "tiny-kimi-linear"
+[prefill]
+tp = 2
+[decode]
+tp = 1
+[connector]
+mode = "{mode}"
+[workload]
+requests = 1
+prompt_tokens = 300
+""")
+        dep = build_deployment(s)
+        one = memory_estimate._list_bytes
+        return (estimate_memory(dep).descriptor_lists, one(dep.engines["prefill"][0].layout),
+                one(dep.engines["decode"][0].layout))
+
+    pulled, p, d = lists("pull")
+    assert pulled == 2 * p + (d * (1 + 2) + 2 * p)
+    pushed, p, d = lists("push")
+    assert pushed == d + 2 * (p * (1 + 1) + d)
