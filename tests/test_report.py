@@ -78,6 +78,10 @@ def test_report_writes_markdown_figures_and_trace(sweep_report: tuple[Path, Path
     assert "No measurements in" in text
     assert not (out / "simulated-vs-measured.png").exists()
     assert "The oracle checked every byte of every completed request in all 8 variants" in text
+    # a complete family is counted as is ("8", not "8 of 8"), and the time breakdown keeps each
+    # TP pair's first request (it pays the handshake) apart from its two warm ones
+    assert "\n| small-sweep | 8 | 24/24 | ok 8 | 8/8 | verified 8 | - |" in text
+    assert "\n| pull | P1->D2 | 262.0 | 2 | " in text and "\n| push | P1->D2 | 524.0 | 2 | " in text
     assert text.startswith("# report test\n")
     # one input and no --compare: nothing is put side by side
     assert json.loads((out / "report.json").read_text())["comparison"] is None
@@ -283,6 +287,16 @@ def test_calibration_points_are_plotted_for_the_profile_they_measured(
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["report", str(tmp_path / "missing.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hkvsim: error:") and err.count("\n") == 1
+    # a saved sweep with no variant in it (an empty shard): said, nothing written
+    empty = tmp_path / "empty-shard.json"
+    empty.write_text(json.dumps({"source": "x.toml", "variants": 4, "shard": "4/4",
+                                 "expectation_met": True, "verified": True, "scenarios": []}))
+    assert main(["report", str(empty), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"hkvsim: error: {empty}: no variant to report (an "
+                                       f"empty shard?)\n")
     assert main(["report", str(tmp_path / "missing.toml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hkvsim: error:") and err.count("\n") == 1
