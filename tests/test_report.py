@@ -162,6 +162,20 @@ def test_report_from_saved_run_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     json.loads((out / "trace.json").read_text())
 
 
+def test_one_folder_of_several_families_is_not_compared_by_input(tmp_path: Path) -> None:
+    """Several families in one input are reported together; only several inputs are put side
+    by side by default."""
+    family = tmp_path / "families"
+    family.mkdir()
+    (family / "merge.toml").write_text(MERGE.replace("requests = 2", "requests = 1"))
+    (family / "other.toml").write_text(MERGE.replace('name = "merge test"', 'name = "other"')
+                                       .replace("requests = 2", "requests = 1"))
+    out = tmp_path / "out"
+    assert main(["report", str(family), "--out", str(out),
+                 "--calibration", str(tmp_path / "none")]) == 0
+    assert json.loads((out / "report.json").read_text())["comparison"] is None
+
+
 def test_merge_comparison_and_measured_hook(tmp_path: Path,
                                             capsys: pytest.CaptureFixture) -> None:
     family = tmp_path / "families"
