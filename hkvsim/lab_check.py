@@ -75,11 +75,9 @@ def preflight(device: str, gpus: int = 2) -> list[str]:
 
 def _visible_gpus() -> int:
     """2 where torch sees at least two CUDA devices, else 1 (preflight refuses 0)."""
-    try:
-        import torch
-    except ImportError:
-        return 2
-    return 2 if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else 1
+    from .lab import _gpu_count
+
+    return 2 if _gpu_count() >= 2 else 1
 
 
 def gpu_placement(device: str, gpus: int) -> tuple[int, str]:
@@ -150,17 +148,25 @@ def torchrun_json(scenario: Path, *, nproc: int, device: str, log_dir: Path,
     return code, data, stderr
 
 
+def _stat(path: Path) -> list[str] | None:
+    """The fields of a /proc/<pid>/stat after the command name (state, ppid, ..., start time
+    at index 19), or None once the process is gone."""
+    try:
+        fields = path.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields if len(fields) >= 20 else None
+
+
 def _descendants(pid: int) -> dict[int, str]:
     """Every process below ``pid`` (from /proc), each with its start time (so a pid reused by
     another process later is not mistaken for it): torchrun starts its workers in sessions of
     their own, so its process group does not hold them."""
     children: dict[int, list[tuple[int, str]]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append((int(stat.parent.name), fields[19]))
+        fields = _stat(stat)
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append((int(stat.parent.name), fields[19]))
     out: dict[int, str] = {}
     todo = [pid]
     while todo:
@@ -172,11 +178,8 @@ def _descendants(pid: int) -> dict[int, str]:
 
 def _started(pid: int) -> str | None:
     """The start time of a live process (None once it is gone or a zombie)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if len(fields) < 20 or fields[0] == "Z" else fields[19]
+    fields = _stat(Path(f"/proc/{pid}/stat"))
+    return None if fields is None or fields[0] == "Z" else fields[19]
 
 
 def _pipe_holders(proc: subprocess.Popen[str]) -> dict[int, str]:
@@ -296,8 +299,6 @@ def transfer_sweep(memory: str, budget: float, *, quick: bool = False) -> dict[s
     from .backends.calibrate import SweepPoint, fit, predict, run_sweep
     from .fabric.profile import load_profile
 
-    if memory not in SWEEP_PROFILES:
-        raise ValueError(f"memory must be DRAM or VRAM, got {memory!r}")
     raw = run_sweep(quick=quick, budget=budget, memory=memory)
     points = [SweepPoint(**p) for p in raw["points"]]
     raw["profile"] = SWEEP_PROFILES[memory]

@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -112,17 +112,30 @@ _PROTO_CFG = re.compile(r"\|\s*\S+ (intra-node|inter-node|self) cfg#\d+")
 _PROTO_ROW = re.compile(r"\|\s*[0-9.]+(?:inf)?\s*\|\s*[^|]+?\|\s*([^|]+?)\s*\|\s*$")
 
 
-def ucx_transports(log_text: str) -> list[str]:
-    """UCX transports chosen for RMA (get/put) to other processes, from UCX_PROTO_INFO tables
-    in a log ("cma/memory", "tcp/lo", "rc_mlx5/mlx5_0:1", ...); empty when none were printed."""
-    found: list[str] = []
+def _proto_lines(log_text: str) -> Iterator[tuple[str | None, str | None]]:
+    """(scope, body) per line of a log's UCX_PROTO_INFO output, the timestamp prefix removed:
+    ``scope`` is the configuration the line belongs to ("intra-node", "inter-node", "self"; None
+    before any), and a configuration's own header line comes with ``body`` None (a new table
+    group starts there)."""
     scope = None
-    in_rma = False
     for line in log_text.splitlines():
         body = line.split("]", 2)[-1] if line.startswith("[") else line
         cfg = _PROTO_CFG.search(body)
         if cfg:
-            scope, in_rma = cfg.group(1), False
+            scope = cfg.group(1)
+            yield scope, None
+        else:
+            yield scope, body
+
+
+def ucx_transports(log_text: str) -> list[str]:
+    """UCX transports chosen for RMA (get/put) to other processes, from UCX_PROTO_INFO tables
+    in a log ("cma/memory", "tcp/lo", "rc_mlx5/mlx5_0:1", ...); empty when none were printed."""
+    found: list[str] = []
+    in_rma = False
+    for scope, body in _proto_lines(log_text):
+        if body is None:
+            in_rma = False
             continue
         if _PROTO_HEADER.search(body):
             in_rma = scope in ("intra-node", "inter-node")
@@ -151,12 +164,10 @@ def ucx_emulated_device_rma(log_text: str) -> list[str]:
     ``"read into cuda/GPU0 from cuda/dev[1]: software emulation over tcp/lo"``. UCX does this
     for READ on a GPU without active NVLink, where it turns cuda_ipc GET off."""
     found: list[str] = []
-    scope, table = None, None
-    for line in log_text.splitlines():
-        body = line.split("]", 2)[-1] if line.startswith("[") else line
-        cfg = _PROTO_CFG.search(body)
-        if cfg:
-            scope, table = cfg.group(1), None
+    table = None
+    for scope, body in _proto_lines(log_text):
+        if body is None:
+            table = None
             continue
         header = _DEVICE_RMA_HEADER.search(body)
         if header:
@@ -499,30 +510,25 @@ class RankProcess:
 
     def _rma_transports(self) -> list[str]:
         if not self._transports_seen:
-            self._transports_seen = self._transports()
+            self._transports_seen = ucx_transports(self._log_text())
         return self._transports_seen
 
     def _shutdown(self, message: dict[str, Any]) -> None:
         seq = message.get("seq")
         leftover = self._shutdown_worker()
         report = self._close_transport()
+        log = self._log_text()
         self._send_quietly({"op": "reply", "seq": seq, "ok": True, "closed": report,
-                            "leftover": leftover, "transports": self._transports(),
-                            "emulated": self._emulated()})
+                            "leftover": leftover, "transports": ucx_transports(log),
+                            "emulated": ucx_emulated_device_rma(log)})
 
-    def _emulated(self) -> list[str]:
+    def _log_text(self) -> str:
+        """This rank's log so far (UCX writes its protocol tables there); "" if unreadable."""
         try:
             with open(self.log_path, encoding="utf-8", errors="replace") as fh:
-                return ucx_emulated_device_rma(fh.read())
+                return fh.read()
         except OSError:
-            return []
-
-    def _transports(self) -> list[str]:
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as fh:
-                return ucx_transports(fh.read())
-        except OSError:
-            return []
+            return ""
 
     def _command(self, message: dict[str, Any]) -> None:
         """A driver command (clock, stats, ping) or a coordinator operation (pd.ops)."""
