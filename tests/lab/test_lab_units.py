@@ -733,3 +733,44 @@ def test_a_timed_out_step_kills_workers_in_sessions_of_their_own(tmp_path) -> No
         time.sleep(0.05)
     else:
         assert not os.path.exists(f"/proc/{grandchild}"), "the grandchild survived"
+
+
+def test_a_zombie_counts_as_gone() -> None:
+    """A killed process its parent has not reaped yet is dead: the timeout's kill loop must not
+    wait for it."""
+    import os
+    import time
+
+    from hkvsim.lab_check import _started
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    end = time.monotonic() + 20
+    while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < end, "the child did not exit"
+        time.sleep(0.05)
+    assert _started(child.pid) is None
+    child.wait(5)
+    assert _started(os.getpid()) is not None
+
+
+def test_a_rank_reports_what_ucx_emulated_when_it_shuts_down() -> None:
+    """The shutdown reply carries, from the rank's own log, the transports and the GPU RMA
+    UCX emulated: the driver's warning is built from it."""
+    from types import SimpleNamespace
+
+    from hkvsim.backends.rank import RankProcess
+
+    sent = []
+    proc = RankProcess.__new__(RankProcess)
+    proc.log_path = str(UCX_LOGS / "h200-one-gpu-pull-default.log")
+    proc._shutdown_worker = lambda: 0
+    proc._close_transport = lambda: {}
+    proc._send_quietly = sent.append
+    proc._shutdown({"op": "shutdown", "seq": 7})
+    (reply,) = sent
+    assert reply["seq"] == 7 and reply["transports"] == ["cma/memory", "tcp/lo"]
+    assert reply["emulated"] == [
+        "read into cuda/GPU0 from cuda/dev[1]: software emulation over tcp/lo"]
+    proc.log_path = str(UCX_LOGS / "no-such.log")  # unreadable: nothing claimed
+    proc._shutdown({"op": "shutdown", "seq": 8})
+    assert (sent[-1]["transports"], sent[-1]["emulated"]) == ([], [])
