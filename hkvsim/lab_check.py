@@ -15,7 +15,17 @@ otherwise, before anything runs). Then the steps:
    predicts it;
 4. a short calibration sweep (kimi-linear-48b geometry, prompt lengths x descriptor merging),
    measured next to the simulator's prediction for the same file (whose profile models two
-   GPUs on NVLink: on one GPU the summary says so).
+   GPUs on NVLink: on one GPU the summary says so);
+5. the progress probe (:mod:`hkvsim.backends.progress_probe`): whether a transfer completes
+   while the remote process is busy without calling into NIXL, with and without a
+   notification attached.
+
+NIXL's progress thread is on in every rank and in the probe with ``--device cuda`` (what vLLM's
+connector runs), off with ``--device cpu`` (hkvsim's ranks then poll NIXL in their loop, as on a
+2-core CI box, where the thread's busy polling starves the copies); ``--progress-thread`` /
+``--no-progress-thread`` choose. With it off, a transfer that carries a notification completes
+only at its remote rank's next NIXL call, so a remote busy with oracle work holds it (measured on
+one H200: reports/gpu/README.md).
 
 Steps 2 and 4 are the torchrun path of :mod:`hkvsim.lab`; CI runs the same code on CPU
 (``--device cpu``, which skips step 1 and the CUDA preflight) so only CUDA itself is untested
@@ -117,7 +127,7 @@ def vram_registration(devices: list[int], nbytes: int = 64 << 20) -> dict[str, A
 
 
 def torchrun_json(scenario: Path, *, nproc: int, device: str, log_dir: Path,
-                  timeout: float, ranks_per_gpu: int = 1
+                  timeout: float, ranks_per_gpu: int = 1, progress_thread: bool = False
                   ) -> tuple[int, dict[str, Any] | None, str]:
     """Run ``scenario`` under ``torchrun --standalone``, through hkvsim.lab_torchrun (its store
     on loopback only); (exit status, JSON or None, stderr). Past ``timeout`` seconds the whole
@@ -126,6 +136,8 @@ def torchrun_json(scenario: Path, *, nproc: int, device: str, log_dir: Path,
     cmd = [sys.executable, "-m", "hkvsim.lab_torchrun", "--standalone", "--nproc-per-node",
            str(nproc), "-m", "hkvsim.lab", str(scenario), "--device", device, "--json",
            "--requests", "--log-dir", str(log_dir), "--ranks-per-gpu", str(ranks_per_gpu)]
+    if progress_thread:
+        cmd.append("--progress-thread")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
                                 "OMP_NUM_THREADS", "1")})
@@ -346,6 +358,7 @@ def _markdown(summary: dict[str, Any]) -> str:
              f"- host: {summary['host']}"]
     if summary.get("gpus"):
         lines.append(f"- GPUs used: {summary['gpus']} ({summary['placement']})")
+    lines.append(f"- NIXL progress thread: {'on' if summary.get('progress_thread') else 'off'}")
     lines.append("")
     for name, step in summary["steps"].items():
         lines.append(f"- **{name}**: {'passed' if step['ok'] else 'FAILED'}"
@@ -353,6 +366,10 @@ def _markdown(summary: dict[str, Any]) -> str:
         lines += [f"  - warning: {w}" for w in step.get("warnings", [])]
     if summary.get("transfer_sweep"):
         lines += _sweep_markdown(summary["transfer_sweep"])
+    if summary.get("progress_probe"):
+        from .backends.progress_probe import table
+
+        lines += ["", "## Progress probe", "", table(summary["progress_probe"])]
     rows = summary.get("calibration") or []
     if rows:
         lines += ["", "## Calibration sweep: measured vs simulated (median transfer time)", "",
@@ -385,10 +402,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of measuring for the transfer sweep (default 60)")
     p.add_argument("--skip-calibration", action="store_true",
                    help="no scenario calibration sweep (step 4)")
+    p.add_argument("--skip-probe", action="store_true", help="no progress probe (step 5)")
+    p.add_argument("--progress-thread", action=argparse.BooleanOptionalAction, default=None,
+                   help="NIXL's progress thread in the ranks and the probe (default: on with "
+                        "--device cuda, as vLLM runs it; off with cpu, where ranks poll NIXL in "
+                        "their loop)")
     p.add_argument("--timeout", type=float, default=900.0, help="per torchrun step (s)")
     p.add_argument("--scenarios", default=str(SCENARIOS),
                    help="folder with gpu-pull-push.toml and gpu-calibration.toml")
     args = p.parse_args(argv)
+    if args.progress_thread is None:
+        args.progress_thread = args.device == "cuda"
     gpus = args.gpus or (_visible_gpus() if args.device == "cuda" else 2)
     problems = preflight(args.device, gpus=gpus)
     if problems:
@@ -399,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "device": args.device, "host": os.uname().nodename, "steps": {},
+                               "progress_thread": args.progress_thread,
                                "environment": {k: v for k, v in sorted(os.environ.items())
                                                if k.startswith(("UCX_", "NIXL_"))}}
     share, placement = gpu_placement(args.device, gpus)
@@ -413,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     pull_push = Path(args.scenarios) / "gpu-pull-push.toml"
     rc, data, err = torchrun_json(pull_push, nproc=2, device=args.device,
                                   log_dir=out / "logs" / "pull-push", timeout=args.timeout,
-                                  ranks_per_gpu=share)
+                                  ranks_per_gpu=share, progress_thread=args.progress_thread)
     (out / "pull-push.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     found = byte_problems(data, 2) + ([f"torchrun exit status {rc}: {err.strip()[-400:]}"]
                                       if rc else [])
@@ -433,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         calib = Path(args.scenarios) / "gpu-calibration.toml"
         rc, data, err = torchrun_json(calib, nproc=2, device=args.device,
                                       log_dir=out / "logs" / "calibration", timeout=args.timeout,
-                                      ranks_per_gpu=share)
+                                      ranks_per_gpu=share, progress_thread=args.progress_thread)
         (out / "calibration-measured.json").write_text(json.dumps(data, indent=2, default=str)
                                                        + "\n")
         rows = calibration_rows(data, calib)
@@ -442,6 +467,18 @@ def main(argv: list[str] | None = None) -> int:
                                                    f"{err.strip()[-400:]}"] if rc else [])
         steps["calibration sweep"] = {"ok": not found, "problems": found,
                                       "warnings": run_warnings(data)}
+    if not args.skip_probe:
+        from .backends.progress_probe import run_probe
+
+        memory = "VRAM" if args.device == "cuda" else "DRAM"
+        try:
+            probe = run_probe(memory=memory, progress_thread=args.progress_thread,
+                              timeout=args.timeout)
+            summary["progress_probe"] = probe
+            (out / "progress-probe.json").write_text(json.dumps(probe, indent=2) + "\n")
+            steps[f"progress probe ({memory})"] = {"ok": True, "problems": []}
+        except (RuntimeError, ValueError) as exc:
+            steps[f"progress probe ({memory})"] = {"ok": False, "problems": [str(exc)]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     (out / "summary.md").write_text(_markdown(summary))
     ok = all(s["ok"] for s in steps.values())

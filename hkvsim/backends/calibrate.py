@@ -89,12 +89,12 @@ def _redirect(log_path: str) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's tcp listeners on loopback only
 
 
-def _agent(name: str) -> Any:
+def _agent(name: str, *, progress_thread: bool = False) -> Any:
     from ..transport.nixl import load_nixl
 
     api = load_nixl()
     agent = api.nixl_agent(name, api.nixl_agent_config(
-        enable_prog_thread=False, enable_listen_thread=False, capture_telemetry=True,
+        enable_prog_thread=progress_thread, enable_listen_thread=False, capture_telemetry=True,
         backends=["UCX"]))
     if "UCX" not in agent.backends:
         raise RuntimeError("the UCX backend did not start")

@@ -46,7 +46,7 @@ from ..pd.ops import (
     outcome_to_wire,
     reply_value_to_wire,
 )
-from ..pd.cpu import RankCpu, oracle_bytes
+from ..pd.cpu import LongOps, RankCpu, oracle_bytes
 from ..pd.rank import RankExecutor
 from ..transport.base import TransportError
 from .side_channel import Channel, ChannelClosed, ProtocolError, fields
@@ -299,6 +299,9 @@ class RankProcess:
         self.epoch = time.time()
         self._transports_seen: list[str] = []
         self.cpu = RankCpu()  # CPU per operation kind and inside post calls (pd/cpu.py)
+        # operations that held this rank's loop (no NIXL call) for LONG_OP_SECONDS or more:
+        # [name, start, end] on the run's clock (pd/cpu.py, remote_hold_warnings)
+        self.long_ops = LongOps()
 
     @property
     def worker(self) -> Any:
@@ -545,10 +548,13 @@ class RankProcess:
             rank_op = op_from_wire(message)
             assert self.executor is not None
             started, wall = time.process_time(), time.perf_counter()
+            clock = time.time() - self.epoch
             waiting = getattr(self.transport, "transfers_in_progress", lambda: 0)()
             value = self.executor.execute(rank_op)
+            held = time.perf_counter() - wall
+            self.long_ops.add(type(rank_op).__name__, clock, clock + held)
             if waiting:
-                self.cpu.add_blocked(type(rank_op).__name__, time.perf_counter() - wall)
+                self.cpu.add_blocked(type(rank_op).__name__, held)
             blocks = getattr(rank_op, "blocks", None)
             self.cpu.add_op(type(rank_op).__name__, time.process_time() - started,
                             oracle_bytes(self.worker.layout, blocks)
@@ -571,7 +577,8 @@ class RankProcess:
                 "in_flight": int(self.worker.in_flight()),
                 "pending_releases": int(self.worker.pending_releases()),
                 "notification_failures": int(self.worker.notification_failures),
-                "cpu": self.cpu.to_wire()}
+                "cpu": self.cpu.to_wire(), "agent": f"{self.engine}.{self.rank}",
+                "long_ops": self.long_ops.to_wire()}
 
     def _cmd_clock(self, message: dict[str, Any]) -> dict[str, Any]:
         """The run starts now: telemetry times count from ``epoch`` (wall clock)."""

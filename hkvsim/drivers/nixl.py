@@ -61,7 +61,7 @@ from ..backends.side_channel import (
     read_message,
 )
 from ..faults import FaultPlan
-from ..pd.cpu import blocked_warnings, merge_rank_cpu
+from ..pd.cpu import blocked_warnings, merge_rank_cpu, remote_hold_warnings
 from ..pd.coordinator import Call, Coordinator, Posting
 from .base import CoordinatorLoop
 from ..pd.deployment import build_deployment
@@ -770,10 +770,20 @@ class NixlDriver:
                          handshake_errors=self.coord.handshake_errors, leaks=leaks,
                          counters=counters, sim_seconds=self.coord.makespan(), layouts=layouts,
                          warnings=(self.coord.warnings() + self._emulation_warnings()
-                                   + blocked_warnings(rank_cpu)),
+                                   + blocked_warnings(rank_cpu)
+                                   + self._remote_hold_warnings(stats)),
                          verified=self.verify, backend="nixl",
                          link_segments=[], implementation=self._implementation(),
                          rank_cpu={**rank_cpu, "coordinator": coordinator_cpu})
+
+    def _remote_hold_warnings(self, stats: list[dict[str, Any]]) -> list[str]:
+        """Transfers that waited for their remote rank to call into NIXL (pd/cpu.py): only
+        with NIXL's progress thread off, where a notified transfer cannot complete otherwise."""
+        if self.options.progress_thread:
+            return []
+        long_ops = {s["agent"]: s["long_ops"] for s in stats if "agent" in s and "long_ops" in s}
+        return remote_hold_warnings((t for rec in self.coord.records for t in rec.telemetry),
+                                    long_ops)
 
     def _emulation_warnings(self) -> list[str]:
         """One warning per rank whose GPU-to-GPU RMA UCX did by software emulation: its transfer

@@ -1251,6 +1251,8 @@ class Coordinator:
                     "completed": t.completed, "path": tuple(t.path), "coalesced": t.coalesced}
                 if t.coalesced_model is not None:  # real backends: the model on the real lists
                     entry["coalesced_model"] = t.coalesced_model
+                if t.peer is not None:  # real backends: the remote agent (remote_hold_warnings)
+                    entry["peer"] = t.peer
                 rec.telemetry.append(entry)
 
     # ---- helpers for drivers ----------------------------------------------------------------

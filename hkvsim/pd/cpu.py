@@ -14,11 +14,14 @@ them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["OpCpu", "RankCpu", "oracle_bytes", "merge_rank_cpu"]
+import numpy as np
+
+__all__ = ["OpCpu", "RankCpu", "LongOps", "oracle_bytes", "merge_rank_cpu", "blocked_warnings",
+           "remote_hold_warnings"]
 
 
 def oracle_bytes(layout: Any, blocks: Mapping[int, Any]) -> int:
@@ -158,3 +161,81 @@ def blocked_warnings(rank_cpu: Mapping[str, Any]) -> list[str]:
                        f"without polling NIXL: a transfer that completed meanwhile is timed "
                        f"(wire) up to that much too long")
     return out
+
+
+LONG_OP_SECONDS = 0.02  # a rank operation this long (wall) is kept in LongOps
+LONG_OPS_KEPT = 4096  # per rank; later ones are counted, not kept
+
+
+@dataclass
+class LongOps:
+    """The operations that held one rank's loop for :data:`LONG_OP_SECONDS` or more, each as
+    ``[name, start, end]`` on the run's clock (the clock of NIXL telemetry's submitted and
+    completed times): while one runs, the rank makes no NIXL call, and with NIXL's progress
+    thread off a transfer that carries a notification completes only once its remote calls into
+    NIXL (measured on UCX cma and on cuda_ipc: hkvsim.backends.progress_probe)."""
+
+    ops: list[list[Any]] = field(default_factory=list)
+    dropped: int = 0
+
+    def add(self, name: str, start: float, end: float) -> None:
+        if end - start < LONG_OP_SECONDS:
+            return
+        if len(self.ops) >= LONG_OPS_KEPT:
+            self.dropped += 1
+            return
+        self.ops.append([name, start, end])
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ops": [list(op) for op in self.ops], "dropped": self.dropped}
+
+
+def remote_hold_warnings(telemetry: Iterable[Mapping[str, Any]],
+                         long_ops: Mapping[str, Mapping[str, Any]],
+                         *, threshold: float = BLOCKED_WARN_SECONDS) -> list[str]:
+    """One warning (or none) for transfers that waited on their remote rank: a transfer (a
+    telemetry entry with ``peer``, ``submitted`` and ``completed``) that was in progress while
+    its peer ran a long operation (``long_ops``: agent name -> :meth:`LongOps.to_wire`) and
+    completed only after that operation ended, for ``threshold`` seconds or more of overlap.
+    With NIXL's progress thread off that is what a notified transfer does (it cannot complete
+    while its remote makes no NIXL call), so its wire time includes the wait; the caller asks
+    only then. A transfer that completed *during* a remote operation shows it did not wait,
+    and is not counted."""
+    spans: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
+    for agent, entry in long_ops.items():
+        ops = sorted(entry.get("ops") or [], key=lambda op: float(op[1]))
+        spans[agent] = (np.array([float(op[1]) for op in ops]),
+                        np.array([float(op[2]) for op in ops]), [str(op[0]) for op in ops])
+    held_times: list[float] = []
+    names: set[str] = set()
+    total = 0
+    for t in telemetry:
+        peer, completed = t.get("peer"), t.get("completed")
+        if peer is None or completed is None:
+            continue
+        total += 1
+        if peer not in spans:
+            continue
+        starts, ends, op_names = spans[peer]
+        submitted = float(t["submitted"])
+        # a rank runs one operation at a time: starts and ends both ascend
+        lo = int(np.searchsorted(ends, submitted, side="right"))
+        hi = int(np.searchsorted(starts, completed, side="left"))
+        held = 0.0
+        for k in range(lo, hi):
+            if ends[k] <= completed:  # outlasted by the transfer: it may have waited for it
+                overlap = ends[k] - max(submitted, starts[k])
+                if overlap >= threshold:
+                    held += overlap
+                    names.add(op_names[k])
+        if held > 0.0:
+            held_times.append(held)
+    if not held_times:
+        return []
+    return [f"{len(held_times)} of {total} transfers were in progress while their remote rank "
+            f"ran {', '.join(sorted(names))} for {threshold:g} s or more without calling into "
+            f"NIXL, and completed only after it ended (up to {max(held_times):.3f} s of a "
+            f"transfer, {sum(held_times):.3f} s in all): with NIXL's progress thread off a "
+            f"transfer that carries a notification completes only once its remote calls into "
+            f"NIXL, so their wire times include that wait (NIXL's progress thread on removes "
+            f"it: hkvsim.lab --progress-thread; vLLM's connector runs with it on)"]

@@ -450,7 +450,8 @@ def outcome_to_wire(outcome: RequestOutcome) -> dict[str, Any]:
                        "path": [str(p) for p in t.path],
                        "coalesced": None if t.coalesced is None else int(t.coalesced),
                        "coalesced_model": None if t.coalesced_model is None
-                       else int(t.coalesced_model)}
+                       else int(t.coalesced_model),
+                       "peer": None if t.peer is None else str(t.peer)}
                       for t in outcome.telemetry],
     }
 
@@ -469,7 +470,8 @@ def outcome_from_wire(data: Any) -> RequestOutcome:
                                    coalesced=None if t.get("coalesced") is None
                                    else int(t["coalesced"]),
                                    coalesced_model=None if t.get("coalesced_model") is None
-                                   else int(t["coalesced_model"]))
+                                   else int(t["coalesced_model"]),
+                                   peer=None if t.get("peer") is None else str(t["peer"]))
                      for t in data["telemetry"]]
         return RequestOutcome(request_id=str(data["request_id"]), ok=bool(data["ok"]),
                               reason=data["reason"], failure_class=data["failure_class"],

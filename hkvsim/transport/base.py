@@ -73,6 +73,9 @@ class XferTelemetry:
     # independently of which block ids the run happened to allocate); None on the simulator,
     # whose ``coalesced`` is the model itself
     coalesced_model: int | None = None
+    # real backends only: the remote agent's name (``<engine>.<rank>``), so a run can tell which
+    # rank a transfer waited on; None on the simulator
+    peer: str | None = None
 
 
 def check_mem_type(mem_type: Any, *, what: str) -> str:

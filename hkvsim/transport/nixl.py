@@ -778,7 +778,7 @@ class NixlTransport:
         return XferTelemetry(nbytes=x.nbytes, descriptors=x.n_desc, post_seconds=post,
                              transfer_seconds=max(0.0, total - post), submitted=x.submitted,
                              completed=x.completed, path=path, coalesced=x.merged_descriptors,
-                             coalesced_model=x.coalesced_model)
+                             coalesced_model=x.coalesced_model, peer=x.remote.agent or None)
 
     # ---- shutdown ------------------------------------------------------------------------
     def close(self, *, deadline_s: float = 5.0) -> dict[str, int]:
