@@ -65,8 +65,8 @@ def test_several_operations_of_one_peer_add_up_and_the_names_are_listed() -> Non
 def test_long_ops_keeps_only_long_operations_and_counts_past_its_cap() -> None:
     kept = LongOps()
     kept.add("StartRead", 1.0, 1.0 + LONG_OP_SECONDS / 2)
-    kept.add("Verify", 2.0, 2.0 + LONG_OP_SECONDS)
-    assert kept.to_wire() == {"ops": [["Verify", 2.0, 2.0 + LONG_OP_SECONDS]], "dropped": 0}
+    kept.add("Verify", 0.0, LONG_OP_SECONDS)  # exactly the threshold: kept
+    assert kept.to_wire() == {"ops": [["Verify", 0.0, LONG_OP_SECONDS]], "dropped": 0}
     for k in range(LONG_OPS_KEPT + 3):
         kept.add("Verify", 3.0 + k, 3.5 + k)
     wire = kept.to_wire()

@@ -202,13 +202,22 @@ def test_gpu_check_steps_run_on_cpu(torchrun, tmp_path) -> None:
                          capture_output=True, text=True, cwd=tmp_path, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     summary = json.loads((out_dir / "summary.json").read_text())
-    assert summary["device"] == "cpu"
+    assert summary["device"] == "cpu" and summary["progress_thread"] is False
     # no warnings on DRAM: UCX cma copies inside the post (no transfer in progress during an
     # oracle step) and moves no GPU memory
     assert summary["steps"] == {"tiny-kimi-linear pull and push, 2 ranks": {
-        "ok": True, "problems": [], "warnings": []}}
-    assert "- **tiny-kimi-linear pull and push, 2 ranks**: passed" in (
-        out_dir / "summary.md").read_text()
+        "ok": True, "problems": [], "warnings": []},
+        "progress probe (DRAM)": {"ok": True, "problems": []}}
+    text = (out_dir / "summary.md").read_text()
+    assert "- **tiny-kimi-linear pull and push, 2 ranks**: passed" in text
+    assert "- NIXL progress thread: off" in text and "## Progress probe" in text
+    # the probe's finding, on DRAM with the thread off: a notified transfer waits for its busy
+    # target, one without a notification does not
+    probe = json.loads((out_dir / "progress-probe.json").read_text())
+    waits = {(c["notification"], c["op"]): c["waits_for_target"] for c in probe["cells"]
+             if c["target"] == "cpu-busy"}
+    assert waits == {(True, "READ"): True, (True, "WRITE"): True, (False, "READ"): False,
+                     (False, "WRITE"): False}
     data = json.loads((out_dir / "pull-push.json").read_text())
     assert byte_problems(data, 2) == []
     assert {d["sweep_point"]["connector.mode"] for d in data["scenarios"]} == {"pull", "push"}

@@ -4,6 +4,7 @@ staging region and the gpu-check script's refusal."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from datetime import timedelta
@@ -774,3 +775,66 @@ def test_a_rank_reports_what_ucx_emulated_when_it_shuts_down() -> None:
     proc.log_path = str(UCX_LOGS / "no-such.log")  # unreadable: nothing claimed
     proc._shutdown({"op": "shutdown", "seq": 8})
     assert (sent[-1]["transports"], sent[-1]["emulated"]) == ([], [])
+
+
+@pytest.mark.parametrize("argv, thread", [
+    (["--device", "cuda"], True),  # a GPU lab runs NIXL as vLLM does
+    (["--device", "cuda", "--no-progress-thread"], False),
+    (["--device", "cpu"], False),  # a 2-core CI box: the ranks poll NIXL themselves
+    (["--device", "cpu", "--progress-thread"], True),
+])
+def test_gpu_check_runs_nixls_progress_thread_as_its_device_calls_for(
+        argv: list[str], thread: bool, tmp_path, monkeypatch) -> None:
+    from hkvsim import lab_check
+
+    seen: dict[str, list] = {"torchrun": [], "probe": []}
+    monkeypatch.setattr(lab_check, "preflight", lambda device, gpus: [])
+    monkeypatch.setattr(lab_check, "vram_registration", lambda devices: {"ok": True,
+                                                                         "devices": []})
+    monkeypatch.setattr(lab_check, "_visible_gpus", lambda: 1)
+
+    def torchrun(scenario, **kwargs):
+        seen["torchrun"].append(kwargs["progress_thread"])
+        return 0, None, ""
+
+    def probe(**kwargs):
+        seen["probe"].append(kwargs["progress_thread"])
+        raise RuntimeError("not run here")
+
+    monkeypatch.setattr(lab_check, "torchrun_json", torchrun)
+    monkeypatch.setattr("hkvsim.backends.progress_probe.run_probe", probe)
+    lab_check.main([*argv, "--skip-sweep", "--skip-calibration", "--out", str(tmp_path)])
+    assert seen == {"torchrun": [thread], "probe": [thread]}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["progress_thread"] is thread
+    memory = "VRAM" if "cuda" in argv else "DRAM"
+    assert summary["steps"][f"progress probe ({memory})"] == {"ok": False,
+                                                              "problems": ["not run here"]}
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_gpu_checks_torchrun_step_passes_the_progress_thread_to_every_rank(
+        thread: bool, monkeypatch, tmp_path) -> None:
+    from pathlib import Path
+
+    from hkvsim import lab_check
+
+    commands: list[list[str]] = []
+
+    class Done:
+        returncode = 0
+
+        def __init__(self, cmd, **kwargs) -> None:
+            commands.append(cmd)
+
+        def communicate(self, timeout=None):
+            return '{"outcome": "ok"}', ""
+
+    monkeypatch.setattr(lab_check.subprocess, "Popen", Done)
+    code, data, _ = lab_check.torchrun_json(Path("s.toml"), nproc=2, device="cpu",
+                                            log_dir=tmp_path, timeout=5.0,
+                                            progress_thread=thread)
+    assert (code, data) == (0, {"outcome": "ok"})
+    (cmd,) = commands
+    assert cmd[cmd.index("-m", cmd.index("--nproc-per-node")) + 1] == "hkvsim.lab"
+    assert ("--progress-thread" in cmd) is thread
