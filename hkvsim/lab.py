@@ -66,8 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", action="store_true", help="per-request details in --json")
     p.add_argument("--timing-only", action="store_true",
                    help="skip the byte oracle (bytes are then reported as not verified)")
-    p.add_argument("--progress-thread", action="store_true",
-                   help="NIXL's progress thread on (default off: ranks poll NIXL)")
+    p.add_argument("--progress-thread", action=argparse.BooleanOptionalAction, default=None,
+                   help="NIXL's progress thread in every rank (default: on with --device cuda, "
+                        "as vLLM's connector runs it; off with cpu, where ranks poll NIXL in "
+                        "their loop). With it off a transfer that carries a notification "
+                        "completes only at its remote rank's next NIXL call")
     p.add_argument("--bind", default=None,
                    help="address of rank 0's side channel (default: 127.0.0.1 on one node; "
                         "across nodes, rank 0's address on the route to torchrun's store)")
@@ -88,8 +91,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the defaults that depend on the device resolved."""
     args = _parser().parse_args(argv)
+    if args.progress_thread is None:
+        args.progress_thread = args.device == "cuda"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         env = read_torchrun_env()
         if args.device == "cuda":

@@ -151,8 +151,9 @@ def blocked_warnings(rank_cpu: Mapping[str, Any]) -> list[str]:
     """A warning per operation kind that held a rank's loop for :data:`BLOCKED_WARN_SECONDS` or
     more while one of its NIXL transfers was in progress: NIXL times a transfer from its post to
     the poll that sees it done, so such a transfer's time includes the wait (on the first H200
-    run, oracle steps of 0.9-3 s did this). Cannot happen when the copy finishes inside the post
-    (UCX cma on a CPU)."""
+    run, oracle steps of 0.9-3 s did this). Rarer on UCX cma, where the copy finishes inside the
+    post, but a transfer that carries a notification stays in progress there too until its remote
+    next calls into NIXL (progress thread off)."""
     out = []
     for name, (count, total, longest) in sorted((rank_cpu.get("blocked") or {}).items()):
         if longest >= BLOCKED_WARN_SECONDS:

@@ -838,3 +838,16 @@ def test_gpu_checks_torchrun_step_passes_the_progress_thread_to_every_rank(
     (cmd,) = commands
     assert cmd[cmd.index("-m", cmd.index("--nproc-per-node")) + 1] == "hkvsim.lab"
     assert ("--progress-thread" in cmd) is thread
+
+
+@pytest.mark.parametrize("argv, thread", [
+    (["s.toml", "--device", "cuda"], True), (["s.toml"], False),
+    (["s.toml", "--device", "cuda", "--no-progress-thread"], False),
+    (["s.toml", "--progress-thread"], True)])
+def test_hkvsim_lab_runs_nixls_progress_thread_on_gpus_by_default(argv, thread) -> None:
+    """On GPUs the lab runs NIXL as vLLM's connector does (progress thread on): with it off a
+    notified transfer completes only when its remote rank next calls into NIXL, and a remote
+    busy with oracle work held every GPU transfer of the calibration sweep for up to 3 s."""
+    from hkvsim.lab import parse_args
+
+    assert parse_args(argv).progress_thread is thread
