@@ -15,7 +15,7 @@ import simpy
 from host_profiles import CPU_BASE
 
 from hkvsim.fabric import Endpoint, Fabric, load_profile
-from hkvsim.pd.cpu import RankCpu, merge_rank_cpu
+from hkvsim.pd.cpu import LongOps, RankCpu, merge_rank_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = str(CPU_BASE)  # the shipped profile without its host-path block
@@ -572,6 +572,7 @@ def test_a_rank_counts_only_operations_run_while_a_transfer_is_in_progress() -> 
     proc = RankProcess.__new__(RankProcess)
     proc.chan = SimpleNamespace(send=sent.append)
     proc.cpu = RankCpu()
+    proc.epoch, proc.long_ops = 0.0, LongOps()
     proc.executor = SimpleNamespace(execute=lambda op: [], oracle=None,
                                     worker=SimpleNamespace(layout=None))
     in_progress = [0]
@@ -584,3 +585,35 @@ def test_a_rank_counts_only_operations_run_while_a_transfer_is_in_progress() -> 
     in_progress[0] = 2
     proc._command({**message, "seq": 2})
     assert list(proc.cpu.blocked) == ["SendNotif"] and proc.cpu.blocked["SendNotif"][0] == 1
+
+
+def test_a_rank_keeps_its_long_operations_on_the_runs_clock() -> None:
+    """What remote_hold_warnings compares with its peers' transfers: an operation that held the
+    loop for 20 ms or more, with its start and end on the clock NIXL telemetry uses (wall time
+    since the run's epoch); shorter ones are not kept, and the stats reply carries them."""
+    import time
+    from types import SimpleNamespace
+
+    from hkvsim.backends.rank import RankProcess
+    from hkvsim.pd.ops import SendNotif, op_to_wire
+
+    sent = []
+    proc = RankProcess.__new__(RankProcess)
+    proc.chan = SimpleNamespace(send=sent.append)
+    proc.cpu = RankCpu()
+    proc.engine, proc.rank = "prefill0", 1
+    proc.epoch, proc.long_ops = time.time() - 100.0, LongOps()
+    pause = [0.03]
+    proc.executor = SimpleNamespace(execute=lambda op: time.sleep(pause[0]) or [], oracle=None,
+                                    worker=SimpleNamespace(layout=None, in_flight=lambda: 0,
+                                                           pending_releases=lambda: 0,
+                                                           notification_failures=0))
+    proc.transport = SimpleNamespace(transfers_in_progress=lambda: 0, open_handles=lambda: 0)
+    message = {**op_to_wire(SendNotif(agents=("decode0.0",), message=b"x")), "seq": 1}
+    proc._command(message)
+    pause[0] = 0.0
+    proc._command({**message, "seq": 2})
+    (op,) = proc.long_ops.ops
+    assert op[0] == "SendNotif" and 100.0 <= op[1] < 101.0 and op[2] - op[1] >= 0.03
+    stats = proc._cmd_stats({"op": "stats", "seq": 3})
+    assert stats["agent"] == "prefill0.1" and stats["long_ops"] == {"ops": [op], "dropped": 0}
