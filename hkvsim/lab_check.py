@@ -18,7 +18,10 @@ otherwise, before anything runs). Then the steps:
    GPUs on NVLink: on one GPU the summary says so);
 5. the progress probe (:mod:`hkvsim.backends.progress_probe`): whether a transfer completes
    while the remote process is busy without calling into NIXL, with and without a
-   notification attached.
+   notification attached;
+6. tiny-kimi-linear between unequal TP sizes (P TP 1/2/4 x D TP 1/2/4, pull and push) under
+   torchrun with eight workers (on one GPU all eight share it; on two, four each), every byte
+   checked: the state page split across ranks and heterogeneous TP on GPU memory.
 
 NIXL's progress thread is on in every rank and in the probe with ``--device cuda`` (what vLLM's
 connector runs), off with ``--device cpu`` (hkvsim's ranks then poll NIXL in their loop, as on a
@@ -302,6 +305,7 @@ def calibration_rows(measured: dict[str, Any] | None, scenario: Path) -> list[di
 
 
 SWEEP_PROFILES = {"VRAM": "h200-nvlink", "DRAM": "cpu-ucx-loopback"}
+TP_PAIR_WORKERS = 8  # step 6: P TP4 + D TP4, the largest pair of gpu-tp-pairs.toml
 
 
 def transfer_sweep(memory: str, budget: float, *, quick: bool = False) -> dict[str, Any]:
@@ -403,13 +407,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-calibration", action="store_true",
                    help="no scenario calibration sweep (step 4)")
     p.add_argument("--skip-probe", action="store_true", help="no progress probe (step 5)")
+    p.add_argument("--skip-tp-pairs", action="store_true",
+                   help="no TP-pairs run (step 6, eight workers)")
     p.add_argument("--progress-thread", action=argparse.BooleanOptionalAction, default=None,
                    help="NIXL's progress thread in the ranks and the probe (default: on with "
                         "--device cuda, as vLLM runs it; off with cpu, where ranks poll NIXL in "
                         "their loop)")
     p.add_argument("--timeout", type=float, default=900.0, help="per torchrun step (s)")
     p.add_argument("--scenarios", default=str(SCENARIOS),
-                   help="folder with gpu-pull-push.toml and gpu-calibration.toml")
+                   help="folder with gpu-pull-push.toml, gpu-calibration.toml and "
+                        "gpu-tp-pairs.toml")
     args = p.parse_args(argv)
     if args.progress_thread is None:
         args.progress_thread = args.device == "cuda"
@@ -479,6 +486,19 @@ def main(argv: list[str] | None = None) -> int:
             steps[f"progress probe ({memory})"] = {"ok": True, "problems": []}
         except (RuntimeError, ValueError) as exc:
             steps[f"progress probe ({memory})"] = {"ok": False, "problems": [str(exc)]}
+    if not args.skip_tp_pairs:
+        from .scenario import load_scenarios
+
+        pairs = Path(args.scenarios) / "gpu-tp-pairs.toml"
+        rc, data, err = torchrun_json(
+            pairs, nproc=TP_PAIR_WORKERS, device=args.device, log_dir=out / "logs" / "tp-pairs",
+            timeout=args.timeout, progress_thread=args.progress_thread,
+            ranks_per_gpu=TP_PAIR_WORKERS // gpus if args.device == "cuda" else 1)
+        (out / "tp-pairs.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+        found = byte_problems(data, len(load_scenarios(str(pairs)))) + (
+            [f"torchrun exit status {rc}: {err.strip()[-400:]}"] if rc else [])
+        steps[f"tiny-kimi-linear TP pairs, {TP_PAIR_WORKERS} workers"] = {
+            "ok": not found, "problems": found, "warnings": run_warnings(data)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     (out / "summary.md").write_text(_markdown(summary))
     ok = all(s["ok"] for s in steps.values())

@@ -197,7 +197,7 @@ def test_gpu_check_steps_run_on_cpu(torchrun, tmp_path) -> None:
 
     out_dir = tmp_path / "gpu"
     out = subprocess.run([sys.executable, str(ROOT / "hardware" / "gpu-check"), "--device",
-                          "cpu", "--skip-calibration", "--skip-sweep", "--out",
+                          "cpu", "--skip-calibration", "--skip-sweep", "--skip-tp-pairs", "--out",
                           str(out_dir)],
                          capture_output=True, text=True, cwd=tmp_path, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

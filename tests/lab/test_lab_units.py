@@ -795,6 +795,8 @@ def test_gpu_check_runs_nixls_progress_thread_as_its_device_calls_for(
 
     def torchrun(scenario, **kwargs):
         seen["torchrun"].append(kwargs["progress_thread"])
+        seen.setdefault("workers", []).append((scenario.name, kwargs["nproc"],
+                                               kwargs["ranks_per_gpu"]))
         return 0, None, ""
 
     def probe(**kwargs):
@@ -804,7 +806,12 @@ def test_gpu_check_runs_nixls_progress_thread_as_its_device_calls_for(
     monkeypatch.setattr(lab_check, "torchrun_json", torchrun)
     monkeypatch.setattr("hkvsim.backends.progress_probe.run_probe", probe)
     lab_check.main([*argv, "--skip-sweep", "--skip-calibration", "--out", str(tmp_path)])
-    assert seen == {"torchrun": [thread], "probe": [thread]}
+    workers = seen.pop("workers")
+    assert seen == {"torchrun": [thread, thread], "probe": [thread]}
+    # on one GPU both pull-push ranks share it, and all eight TP-pair workers do
+    share = 1 if "cpu" in argv else 2
+    assert workers == [("gpu-pull-push.toml", 2, share),
+                       ("gpu-tp-pairs.toml", 8, 1 if "cpu" in argv else 8)]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["progress_thread"] is thread
     memory = "VRAM" if "cuda" in argv else "DRAM"
@@ -851,3 +858,15 @@ def test_hkvsim_lab_runs_nixls_progress_thread_on_gpus_by_default(argv, thread) 
     from hkvsim.lab import parse_args
 
     assert parse_args(argv).progress_thread is thread
+
+
+def test_gpu_checks_tp_pairs_fit_its_eight_workers_and_cover_unequal_tp() -> None:
+    from hkvsim.lab_check import SCENARIOS, TP_PAIR_WORKERS
+    from hkvsim.scenario import load_scenarios
+
+    variants = load_scenarios(str(SCENARIOS / "gpu-tp-pairs.toml"))
+    pairs = {(v.prefill.tp, v.decode.tp, v.connector.mode) for v in variants}
+    assert len(variants) == len(pairs) == 18
+    assert max(p + d for p, d, _ in pairs) == TP_PAIR_WORKERS
+    assert {(1, 4, "pull"), (4, 1, "push"), (2, 4, "pull")} <= pairs
+    assert {v.model.preset for v in variants} == {"tiny-kimi-linear"}
