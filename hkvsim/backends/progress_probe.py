@@ -239,19 +239,22 @@ def run_probe(*, memory: str = "DRAM", size: int = 1 << 20, count: int = 64, rep
 
 
 def table(result: dict[str, Any]) -> str:
+    """The probe's result as a markdown table, with a line saying what was measured."""
+    thread = "on" if result.get("progress_thread") else "off"
     rows = [f"progress probe: {result['memory']}, {result['count']} x {result['size']:,} B "
             f"descriptors (never adjacent), target polls every "
             f"{result['target_poll_seconds'] * 1e3:g} ms, busy spells of "
-            f"{result['busy_seconds'] * 1e3:.0f} ms; NIXL progress thread "
-            f"{'on' if result['progress_thread'] else 'off'}; UCX: {', '.join(result['transports'])}",
+            f"{result['busy_seconds'] * 1e3:.0f} ms; NIXL progress thread {thread}; UCX: "
+            f"{', '.join(result['transports'])}",
             "", "| target | notification | op | initiator | post to DONE (median) | "
             "busy end to DONE | waits for target |", "|---|---|---|---|---|---|---|"]
     for c in result["cells"]:
         after = c.get("busy_end_to_done_ms")
+        waits = c.get("waits_for_target")
         rows.append(f"| {c['target']} | {'yes' if c['notification'] else 'no'} | {c['op']} | "
                     f"{c['initiator']} | {c['post_to_done_ms']:.3f} ms | "
                     f"{'' if after is None else f'{after:+.3f} ms'} | "
-                    f"{'' if 'waits_for_target' not in c else ('yes' if c['waits_for_target'] else 'no')} |")
+                    f"{'' if waits is None else ('yes' if waits else 'no')} |")
     return "\n".join(rows)
 
 

@@ -105,3 +105,25 @@ def test_the_probe_refuses_bad_settings_before_starting(kwargs: dict, text: str)
     with pytest.raises(ValueError) as exc:
         run_probe(**kwargs)
     assert text in str(exc.value)
+
+
+@pytest.mark.timeout(120)
+def test_the_probe_command_writes_its_json_and_table_and_refuses_clearly(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    probe = [sys.executable, "-m", "hkvsim.backends.progress_probe"]
+    out = subprocess.run([*probe, "--size", "65536", "--count", "4", "--busy-reps", "2",
+                          "--busy-ms", "120", "--targets", "cpu-busy", "--out",
+                          str(tmp_path / "p.json")], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["memory"] == "DRAM" and data["progress_thread"] is False
+    assert [(c["notification"], c["waits_for_target"]) for c in data["cells"]] == [
+        (False, False), (False, False), (True, True), (True, True)]
+    assert "| cpu-busy | yes | WRITE | spin |" in out.stdout
+    bad = subprocess.run([*probe, "--targets", "gpu-busy"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.strip().startswith("progress probe: target modes ['gpu-busy']: allowed")
