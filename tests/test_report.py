@@ -329,3 +329,21 @@ def test_matplotlib_is_imported_only_by_the_report_plots() -> None:
     code = ("import sys, hkvsim.cli, hkvsim.cluster, hkvsim.report; "
             "assert 'matplotlib' not in sys.modules, 'matplotlib imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_merge_comparison_needs_off_and_at_least_one_other_mode(tmp_path: Path) -> None:
+    """A family is compared when it ran "off" (the reference) and one more mode; "off" alone,
+    or merged modes without "off", has nothing to be compared against."""
+    family = tmp_path / "families"
+    family.mkdir()
+    sweep = 'connector.descriptor_merge = ["off", "contiguous", "strided"]'
+    for stem, modes in (("two", '["off", "contiguous"]'), ("alone", '["off"]'),
+                        ("nooff", '["contiguous", "strided"]')):
+        (family / f"{stem}.toml").write_text(
+            MERGE.replace(sweep, f"connector.descriptor_merge = {modes}"))
+    out = tmp_path / "merge"
+    assert main(["report", str(family), "--out", str(out),
+                 "--calibration", str(tmp_path / "none")]) == 0
+    (fam,) = json.loads((out / "report.json").read_text())["descriptor_merging"]
+    assert fam["family"] == "two" and set(fam["modes"]) == {"off", "contiguous"}
+    assert fam["modes"]["contiguous"]["posted"] < fam["modes"]["off"]["posted"]

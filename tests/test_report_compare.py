@@ -187,3 +187,35 @@ def test_ratios_are_taken_request_by_request_and_averaged_geometrically(monkeypa
     (row,) = comparison["rows"]
     assert row["cells"]["pull"]["descriptors_posted"] == 12
     assert row["cells"]["pull"]["transfer_seconds_mean"] == pytest.approx(2.5)
+
+
+def test_sizing_counts_only_the_tokens_prefill_computes() -> None:
+    """A prefix-cache hit is not computed again: prefill time = (prompt - hit) / (rate x TP);
+    a request with nothing to compute and nothing to move has a zero share, not a crash; a
+    variant without the knob is left out."""
+    from types import SimpleNamespace
+
+    from hkvsim.report.sizing import KNOB, sizing_rows
+
+    rated, unrated = (SimpleNamespace(settings={KNOB: 1000.0}), SimpleNamespace(settings={}))
+    rows = [{"variant": rated, "prefill_tp": 2, "prompt_tokens": 3000, "hit_tokens": 1000,
+             "transfer": 0.5},
+            {"variant": rated, "prefill_tp": 2, "prompt_tokens": 64, "hit_tokens": 64,
+             "transfer": 0.0},
+            {"variant": unrated, "prefill_tp": 2, "prompt_tokens": 64, "hit_tokens": 0,
+             "transfer": 0.1}]
+    first, empty = sizing_rows(rows)
+    assert (first["prefill_seconds"], first["ttft_seconds"]) == (1.0, 1.5)
+    assert first["transfer_share"] == pytest.approx(1 / 3)
+    assert (empty["prefill_seconds"], empty["ttft_seconds"], empty["transfer_share"]) == (
+        0.0, 0.0, 0.0)
+
+
+def test_requests_csv_phases_are_filled_for_completed_requests(two_inputs) -> None:
+    out, _, data = two_inputs
+    with open(out / "requests.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        assert r["status"] == "ok"
+        phases = [float(r[f"{p}_seconds"]) for p in ("post_wait", "post", "wire")]
+        assert all(p >= 0 for p in phases) and float(r["wire_seconds"]) > 0
