@@ -371,6 +371,9 @@ def test_calibrate_host_writes_only_within_the_held_out_bounds(
     assert "after 2 warm-up pass(es) over both sets whose runs are left out" in report
     # how firmly the held-out runs decide it (validate.resampled_verdict), in the report too
     assert "Resampling each file's real runs (2,000 draws)" in report
+    pct = f"{100 * held_err:.0f} %"
+    assert (f"Held-out median |error| {pct}, worst {pct} (bounds: median <= 15 %, worst <= "
+            f"40 %)") in report
     # (runs 10 % apart around 1 ms: an error of 10 % is met in most draws, 20 % in few)
     share = result["held_out_summary"]["resampled"]["met_share"]
     assert (share > 0.5) is accepted and 0 < share < 1

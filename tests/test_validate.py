@@ -314,3 +314,48 @@ def test_judge_needs_one_set_of_real_runs_per_file() -> None:
         judge(files, [RealRuns(), RealRuns()])
     with pytest.raises(ValidationError, match="a run did not complete its steady-state"):
         judge(files, [RealRuns()])  # no real run at all: nothing to set the sim against
+
+
+def test_a_fit_refuses_a_simulated_run_that_did_not_complete() -> None:
+    """The fit compares steady-state means: a scenario whose handshake is refused (here rule
+    V5, KV layouts that differ) must stop the fit with its name, not enter it as a number."""
+    from hkvsim.scenario import parse_scenarios
+    from hkvsim.validate_fit import _sim
+
+    (scenario,) = parse_scenarios("""
+[scenario]
+name = "refused pair"
+[model]
+preset = "tiny-llama"
+[prefill]
+kv_cache_layout = "NHD"
+[decode]
+kv_cache_layout = "HND"
+[workload]
+requests = 3
+prompt_tokens = 300
+""")
+    with pytest.raises(ValidationError) as exc:
+        _sim(scenario, None, {})
+    assert str(exc.value).startswith("refused pair: the simulated run did not complete its "
+                                     "steady-state requests")
+
+
+def test_one_units_per_item_ratio_cannot_separate_a_per_item_cost() -> None:
+    """Every file with the same bytes per operation (or posts per operation): the per-item and
+    per-unit terms cannot be told apart, so all the CPU is per unit, even when the CPU per item
+    varies between files."""
+    from hkvsim.validate_fit import _per_item_and_unit
+
+    same_ratio = [(10.0, 100.0, 1.0), (20.0, 200.0, 3.0)]
+    assert _per_item_and_unit(same_ratio) == (4.0 / 300.0, 0.0)
+    two_ratios = [(10.0, 100.0, 10 * 0.5 + 100 * 0.01), (10.0, 400.0, 10 * 0.5 + 400 * 0.01)]
+    assert _per_item_and_unit(two_ratios) == pytest.approx((0.01, 0.5))
+
+
+def test_the_warm_up_clause_counts_its_passes() -> None:
+    from hkvsim.validate import _warm_up_clause
+
+    assert _warm_up_clause(0) == ""
+    assert _warm_up_clause(1).startswith(", after 1 warm-up pass over every file")
+    assert _warm_up_clause(2).startswith(", after 2 warm-up passes over every file")
