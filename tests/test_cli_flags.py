@@ -67,3 +67,23 @@ def test_verbose_after_the_command_logs_info(tmp_path: Path, monkeypatch) -> Non
     main(["run", str(path), "-v"])
     main(["run", str(path)])
     assert seen == [logging.INFO, logging.WARNING]
+
+
+@pytest.mark.parametrize("extra, envelope", [([], False), (["--shard", "0/1"], True),
+                                             (["--jobs", "2"], True)])
+def test_a_file_without_a_sweep_prints_one_object_unless_sharded_or_parallel(
+        tmp_path: Path, capsys, extra: list[str], envelope: bool) -> None:
+    """Merging the outputs of --shard / --jobs runs needs the envelope whatever the file: one
+    object only for a plain run of a file without [sweep]."""
+    import json
+
+    path = tmp_path / "one.toml"
+    path.write_text(BAD_TP.replace("tp = 3", "tp = 1"))
+    capsys.readouterr()
+    assert main(["run", str(path), "--json", *extra]) == 0
+    data = json.loads(capsys.readouterr().out)
+    if envelope:
+        assert data["variants"] == 1 and len(data["scenarios"]) == 1
+        assert data["shard"] == ("0/1" if "--shard" in extra else None)
+    else:
+        assert "scenarios" not in data and data["outcome"] == "ok"

@@ -347,3 +347,61 @@ def test_merge_comparison_needs_off_and_at_least_one_other_mode(tmp_path: Path) 
     (fam,) = json.loads((out / "report.json").read_text())["descriptor_merging"]
     assert fam["family"] == "two" and set(fam["modes"]) == {"off", "contiguous"}
     assert fam["modes"]["contiguous"]["posted"] < fam["modes"]["off"]["posted"]
+
+
+def test_the_geometry_lists_every_tp_the_model_shards_at() -> None:
+    from hkvsim.geometry import preset
+    from hkvsim.report.data import _geometry
+
+    model = preset("tiny-kimi-linear")
+    g = _geometry(model)
+    assert list(g["kv_bytes_per_token"]) == ["1", "2", "4", "8"]
+    assert g["kv_bytes_per_token"]["4"] == model.kv_bytes_per_token(4)
+    assert g["state_bytes_per_request"]["8"] == model.state_bytes_per_request(8)
+    assert (g["attention_kind"], g["state_kind"], g["is_hybrid"]) == ("MLA", "KDA", True)
+
+
+def test_an_older_saved_result_is_read_without_calling_corrupted_bytes_verified(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Results saved before `verified`, `verification` and `requests.corrupted` existed: the
+    verdict is derived from what they do carry, and a request with wrong words is corrupted."""
+    from hkvsim.report.data import variants_from_json
+
+    path = tmp_path / "s.toml"
+    path.write_text(MERGE.split("[sweep]")[0])
+    capsys.readouterr()
+    assert main(["run", str(path), "--json", "--requests"]) == 0
+    new = json.loads(capsys.readouterr().out)
+
+    def old(change=None) -> Path:
+        data = json.loads(json.dumps(new))
+        for key in ("verified", "verification"):
+            data.pop(key)
+        data["requests"].pop("corrupted")
+        if change:
+            change(data)
+        saved = tmp_path / "old.json"
+        saved.write_text(json.dumps(data))
+        return saved
+
+    (v,) = variants_from_json(old())
+    assert (v.verification, v.corrupted, v.mismatched_bytes) == ("verified", 0, 0)
+
+    def corrupt(data: dict) -> None:
+        data["requests"]["mismatched_bytes"] = 8
+        data["request_details"][1]["mismatched_words"] = 2
+
+    (v,) = variants_from_json(old(corrupt))
+    assert (v.verification, v.corrupted) == ("failed", 1)
+
+    def nothing_completed(data: dict) -> None:
+        data["requests"]["completed"] = 0
+
+    assert variants_from_json(old(nothing_completed))[0].verification == "nothing-checked"
+
+    def timing_only(data: dict) -> None:
+        data["requests"]["byte_exact"] = None
+        data["requests"]["mismatched_bytes"] = 8
+
+    (v,) = variants_from_json(old(timing_only))
+    assert (v.verification, v.mismatched_bytes) == ("timing-only", None)
