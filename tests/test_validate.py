@@ -359,3 +359,32 @@ def test_the_warm_up_clause_counts_its_passes() -> None:
     assert _warm_up_clause(0) == ""
     assert _warm_up_clause(1).startswith(", after 1 warm-up pass over every file")
     assert _warm_up_clause(2).startswith(", after 2 warm-up passes over every file")
+
+
+def test_validate_prints_each_files_error_and_names_the_files_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """What `hkvsim validate` prints and records, given the results (the real runs stubbed: no
+    NIXL process here)."""
+    import json
+
+    import hkvsim.transport.nixl as nixl
+    import hkvsim.validate as val
+
+    folder = tmp_path / "held"
+    folder.mkdir()
+    files = [folder / "a.toml", folder / "b.toml"]
+    results = [FileResult(file=str(f), scenario=f.stem, profile="cpu-ucx-loopback",
+                          sim_seconds=sim, real_seconds=(1e-3, 1.1e-3, 0.9e-3),
+                          loads=(0.5,) * 3, descriptors_posted=(1, 1),
+                          descriptors_coalesced=(1, 1), outcomes=("ok",) * 4, rank_cpu={})
+               for f, sim in zip(files, (1.1e-3, 0.7e-3))]
+    monkeypatch.setattr(nixl, "load_nixl", lambda: None)
+    monkeypatch.setattr(val, "validate", lambda files, **kw: results)
+    code = main(["validate", *map(str, files), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 1  # the worst file is 30 % off: within 40 %, but the median 20 % is not 15
+    assert "a.toml: sim 1.100 ms, real 1.000 ms (spread 20 %), error +10 %" in out
+    assert "b.toml: sim 0.700 ms, real 1.000 ms (spread 20 %), error -30 %" in out
+    assert "median |error| 20 %, worst 30 %: acceptance NOT met" in out
+    (saved,) = (tmp_path / "out").glob("*.json")
+    assert json.loads(saved.read_text())["meta"]["source"] == f"{folder}/"
