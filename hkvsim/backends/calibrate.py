@@ -351,6 +351,47 @@ def _initiate(peer: Any, nbytes: int, sizes: list[int], counts: list[int], budge
             "memory": mem_type, "sweep_seconds": time.monotonic() - start_all}
 
 
+def run_pair(target: Any, initiator: Any, parent_end: Any, logs: Path, *, timeout: float,
+             what: str, max_bytes: int) -> dict[str, Any]:
+    """Start two spawned processes (a target and an initiator, each logging under ``logs``),
+    wait up to ``timeout`` seconds for the initiator's msgpack result on ``parent_end``, then
+    stop both. A RuntimeError naming ``what`` and the logs when it did not finish, the
+    initiator died, or it reported an error."""
+    target.start()
+    initiator.start()
+    try:
+        if not parent_end.poll(timeout):
+            raise RuntimeError(f"the {what} did not finish within {timeout:.0f} s "
+                               f"(logs in {logs})")
+        result = msgpack.unpackb(parent_end.recv_bytes(max_bytes), raw=False)
+    except EOFError:
+        raise RuntimeError(f"the {what}'s initiator died (exit {initiator.exitcode}; logs in "
+                           f"{logs})") from None
+    finally:
+        for p in (initiator, target):
+            p.join(10.0)
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+    if "error" in result:
+        raise RuntimeError(f"{what} failed: {result['error']} (logs in {logs})")
+    return result
+
+
+def log_transports(logs: Path) -> list[str]:
+    """The UCX transports the pair's two logs name (rank.ucx_transports), in order, once."""
+    from .rank import ucx_transports
+
+    transports: list[str] = []
+    for name in ("initiator.log", "target.log"):
+        try:
+            text = (logs / name).read_text(errors="replace")
+        except OSError:
+            continue
+        transports += [t for t in ucx_transports(text) if t not in transports]
+    return transports
+
+
 def run_sweep(*, quick: bool = False, budget: float = 150.0, log_dir: str | None = None,
               memory: str = "DRAM") -> dict[str, Any]:
     """Run the sweep in two spawned processes; returns the raw measurements plus the UCX
@@ -359,8 +400,6 @@ def run_sweep(*, quick: bool = False, budget: float = 150.0, log_dir: str | None
     if memory not in ("DRAM", "VRAM"):
         raise ValueError(f"memory must be DRAM or VRAM, got {memory!r}")
     import tempfile
-
-    from .rank import ucx_transports
 
     sizes = list(QUICK_SIZES if quick else SIZES)
     counts = list(QUICK_COUNTS if quick else COUNTS)
@@ -377,34 +416,9 @@ def run_sweep(*, quick: bool = False, budget: float = 150.0, log_dir: str | None
     initiator = ctx.Process(target=_initiator_main,
                             args=(a, child_end, str(logs / "initiator.log"), nbytes, sizes,
                                   counts, budget, 3 if quick else 5, memory), daemon=True)
-    target.start()
-    initiator.start()
-    deadline = budget + 120.0
-    try:
-        if not parent_end.poll(deadline):
-            raise RuntimeError(f"the calibration sweep did not finish within {deadline:.0f} s "
-                               f"(logs in {logs})")
-        result = msgpack.unpackb(parent_end.recv_bytes(1 << 26), raw=False)
-    except EOFError:
-        raise RuntimeError(f"the calibration initiator died (exit {initiator.exitcode}; logs in "
-                           f"{logs})") from None
-    finally:
-        for p in (initiator, target):
-            p.join(10.0)
-            if p.is_alive():
-                p.kill()
-                p.join(5.0)
-    if "error" in result:
-        raise RuntimeError(f"calibration failed: {result['error']} (logs in {logs})")
-    transports = []
-    for name in ("initiator.log", "target.log"):
-        try:
-            for t in ucx_transports((logs / name).read_text(errors="replace")):
-                if t not in transports:
-                    transports.append(t)
-        except OSError:
-            pass
-    result["transports"] = transports
+    result = run_pair(target, initiator, parent_end, logs, timeout=budget + 120.0,
+                      what="calibration sweep", max_bytes=1 << 26)
+    result["transports"] = log_transports(logs)
     result["log_dir"] = str(logs) if log_dir else None
     if not log_dir:
         import shutil

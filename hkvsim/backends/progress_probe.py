@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .calibrate import _agent, _Memory, _recv, _redirect, _send
+from .calibrate import _agent, _Memory, _recv, _redirect, _send, log_transports, run_pair
 
 __all__ = ["run_probe", "main", "TARGET_MODES"]
 
@@ -206,36 +206,9 @@ def run_probe(*, memory: str = "DRAM", size: int = 1 << 20, count: int = 64, rep
     initiator = ctx.Process(target=_initiator_main,
                             args=(a, child_end, str(logs / "initiator.log"), nbytes, plan),
                             daemon=True)
-    target.start()
-    initiator.start()
-    try:
-        if not parent_end.poll(timeout):
-            raise RuntimeError(f"the progress probe did not finish within {timeout:.0f} s "
-                               f"(logs in {logs})")
-        import msgpack
-
-        result = msgpack.unpackb(parent_end.recv_bytes(1 << 24), raw=False)
-    except EOFError:
-        raise RuntimeError(f"the probe's initiator died (exit {initiator.exitcode}; logs in "
-                           f"{logs})") from None
-    finally:
-        for p in (initiator, target):
-            p.join(10.0)
-            if p.is_alive():
-                p.kill()
-                p.join(5.0)
-    if "error" in result:
-        raise RuntimeError(f"progress probe failed: {result['error']} (logs in {logs})")
-    from .rank import ucx_transports
-
-    transports: list[str] = []
-    for log in ("initiator.log", "target.log"):
-        try:
-            transports += [t for t in ucx_transports((logs / log).read_text(errors="replace"))
-                           if t not in transports]
-        except OSError:
-            pass
-    return {**plan, "transports": transports, "cells": result["cells"]}
+    result = run_pair(target, initiator, parent_end, logs, timeout=timeout,
+                      what="progress probe", max_bytes=1 << 24)
+    return {**plan, "transports": log_transports(logs), "cells": result["cells"]}
 
 
 def table(result: dict[str, Any]) -> str:
