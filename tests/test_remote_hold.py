@@ -96,3 +96,12 @@ def test_a_real_run_asks_only_with_the_progress_thread_off(progress_thread: bool
              {"open_handles": 0}]  # a rank that did not say (an older rank process)
     found = NixlDriver._remote_hold_warnings(driver, stats)
     assert (found == []) if progress_thread else (len(found) == 1 and "0.600 s" in found[0])
+
+
+def test_operations_a_rank_could_not_keep_are_owned_up_to() -> None:
+    full = _ops(("Verify", 0.1, 0.3))
+    full["dropped"] = 5
+    assert remote_hold_warnings([_t("p.0", 0.0, 0.05)], {"p.0": full}) == [
+        f"5 long rank operations past the first {LONG_OPS_KEPT} of a rank were not kept: "
+        f"transfers they held are not counted"]
+    assert len(remote_hold_warnings([_t("p.0", 0.0, 0.5)], {"p.0": full})) == 2

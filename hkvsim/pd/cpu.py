@@ -231,9 +231,12 @@ def remote_hold_warnings(telemetry: Iterable[Mapping[str, Any]],
                     names.add(op_names[k])
         if held > 0.0:
             held_times.append(held)
+    dropped = sum(int(entry.get("dropped") or 0) for entry in long_ops.values())
+    unkept = ([f"{dropped} long rank operations past the first {LONG_OPS_KEPT} of a rank were "
+               f"not kept: transfers they held are not counted"] if dropped else [])
     if not held_times:
-        return []
-    return [f"{len(held_times)} of {total} transfers were in progress while their remote rank "
+        return unkept
+    return unkept + [f"{len(held_times)} of {total} transfers were in progress while their remote rank "
             f"ran {', '.join(sorted(names))} for {threshold:g} s or more without calling into "
             f"NIXL, and completed only after it ended (up to {max(held_times):.3f} s of a "
             f"transfer, {sum(held_times):.3f} s in all): with NIXL's progress thread off a "
