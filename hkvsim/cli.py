@@ -167,6 +167,9 @@ def _run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Any]]
             check_fits(scenarios[i], timing_only=args.timing_only)
     if args.jobs < 1:
         raise SelectionError(f"--jobs {args.jobs}: expected a number of processes >= 1")
+    if args.progress_thread and args.backend != "nixl":
+        raise SelectionError("--progress-thread is NIXL's: use it with --backend nixl (the "
+                             "simulated fabric's profile says how its ranks poll)")
     if args.jobs > 1 and len(indices) > 1:
         if args.backend != "sim":
             raise SelectionError(f"--jobs {args.jobs} with --backend {args.backend}: every "
@@ -182,7 +185,7 @@ def _run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Any]]
         from .drivers.nixl import run_for_cli
 
         results = run_for_cli([scenarios[i] for i in indices], timing_only=args.timing_only,
-                              progress=_progress)
+                              progress=_progress, progress_thread=args.progress_thread)
         return [result_json(r, requests=args.requests, position=(i, count))
                 for i, r in zip(indices, results)], scenarios
     from .cluster import run_scenario
@@ -583,6 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timing-only", action="store_true",
                        help="move no bytes and skip verification (as [workload] verify = false; "
                             "an [expect] byte_exact = true is then not met)")
+        p.add_argument("--progress-thread", action="store_true",
+                       help="with --backend nixl: NIXL's progress thread on in every rank, as "
+                            "vLLM's connector runs it (default off: ranks poll NIXL in their "
+                            "loop, and a transfer that carries a notification then completes "
+                            "only at its remote rank's next NIXL call)")
         p.add_argument("--jobs", type=int, default=1, metavar="N",
                        help="split the variants over N child hkvsim processes on this "
                             "machine (simulator only; the same results as a serial run)")

@@ -87,3 +87,32 @@ def test_a_file_without_a_sweep_prints_one_object_unless_sharded_or_parallel(
         assert data["shard"] == ("0/1" if "--shard" in extra else None)
     else:
         assert "scenarios" not in data and data["outcome"] == "ok"
+
+
+@pytest.mark.parametrize("flag", [[], ["--progress-thread"]])
+def test_run_passes_the_progress_thread_to_every_nixl_rank(tmp_path: Path, monkeypatch,
+                                                           capsys, flag: list[str]) -> None:
+    import hkvsim.drivers.nixl as drivers
+    import hkvsim.transport.nixl as transport
+    from hkvsim.cluster import run_scenario
+
+    seen = []
+
+    def fake(scenario, *, timing_only=False, options=None):
+        seen.append(options.progress_thread)
+        return run_scenario(scenario)  # the simulator stands in for the ranks
+
+    monkeypatch.setattr(transport, "load_nixl", lambda: None)
+    monkeypatch.setattr(drivers, "run_scenario_nixl", fake)
+    path = tmp_path / "one.toml"
+    path.write_text(BAD_TP.replace("tp = 3", "tp = 1"))
+    assert main(["run", str(path), "--backend", "nixl", *flag]) == 0
+    assert seen == [bool(flag)]
+
+
+def test_the_progress_thread_is_refused_on_the_simulated_fabric(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "one.toml"
+    path.write_text(BAD_TP.replace("tp = 3", "tp = 1"))
+    assert main(["sweep", str(path), "--progress-thread"]) == 2
+    assert ("--progress-thread is NIXL's: use it with --backend nixl"
+            in capsys.readouterr().err)

@@ -937,7 +937,7 @@ def run_scenario_nixl(scenario: Scenario, *, timing_only: bool = False,
 
 
 def run_for_cli(scenarios: list[Scenario], *, timing_only: bool = False,
-                progress: Any = None) -> list[RunResult]:
+                progress: Any = None, progress_thread: bool = False) -> list[RunResult]:
     """``hkvsim run|sweep --backend nixl``: every scenario in turn. A setup problem (NIXL not
     importable, a rank that cannot start, an unsupported fault) prints one line and exits 2."""
     import sys
@@ -947,7 +947,8 @@ def run_for_cli(scenarios: list[Scenario], *, timing_only: bool = False,
     try:
         load_nixl()
         items = progress(scenarios, "running on NIXL") if progress is not None else scenarios
-        return [run_scenario_nixl(s, timing_only=timing_only) for s in items]
+        options = NixlRunOptions(progress_thread=progress_thread)
+        return [run_scenario_nixl(s, timing_only=timing_only, options=options) for s in items]
     except (NixlUnavailable, NixlRunError) as exc:
         print(f"hkvsim: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

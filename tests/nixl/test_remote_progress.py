@@ -58,7 +58,7 @@ def test_a_remote_busy_with_its_oracle_holds_a_notified_transfer(tmp_path) -> No
 
 
 @pytest.mark.timeout(180)
-def test_with_the_progress_thread_on_nothing_waits_for_the_remote(tmp_path) -> None:
+def test_with_the_progress_thread_on_a_run_is_byte_exact_and_warns_of_no_hold(tmp_path) -> None:
     data = _run(tmp_path, progress_thread=True)
     assert data["verification"] == "verified" and data["requests"]["byte_exact"] == 2
     assert _held(data) == []
