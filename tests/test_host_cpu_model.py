@@ -617,3 +617,28 @@ def test_a_rank_keeps_its_long_operations_on_the_runs_clock() -> None:
     assert op[0] == "SendNotif" and 100.0 <= op[1] < 101.0 and op[2] - op[1] >= 0.03
     stats = proc._cmd_stats({"op": "stats", "seq": 3})
     assert stats["agent"] == "prefill0.1" and stats["long_ops"] == {"ops": [op], "dropped": 0}
+
+
+@pytest.mark.parametrize("notif, waits", [(b"", False), (b"req-0:1", True)])
+def test_only_a_transfer_that_carries_a_notification_waits_for_its_remote(
+        notif: bytes, waits: bool) -> None:
+    """Measured on UCX cma and on cuda_ipc with NIXL's progress thread off
+    (hkvsim.backends.progress_probe, reports/gpu/README.md): a transfer with a notification
+    completes only once its remote calls into NIXL; one without does not wait."""
+    import numpy as np
+    from sim_agents import sim_agent_pair
+
+    env, a, b = sim_agent_pair()
+    a.world.peer_progress = lambda agent, after: after + 5e-3  # the remote polls 5 ms later
+    mem_a, mem_b = (t.allocate(1 << 20, mem_type="DRAM") for t in (a, b))
+    a.register_memory(mem_a)
+    b.register_memory(mem_b)
+    remote = a.add_remote_agent(b.get_agent_metadata())
+    local = np.array([[mem_a.base_addr, 4096, 0]], dtype=np.uint64)
+    far = np.array([[mem_b.base_addr, 4096, 0]], dtype=np.uint64)
+    handle = a.make_xfer("READ", local, remote, far, notif)
+    a.transfer(handle)
+    env.run()
+    assert a.check_xfer_state(handle) == "DONE"
+    t = a.get_xfer_telemetry(handle)
+    assert (t.completed - t.submitted >= 5e-3) is waits

@@ -503,7 +503,10 @@ class SimTransport:
                                               f"{fault.seconds:g} s"))
             return PROC
         wire_bytes = x.nbytes * (fault.factor if fault is not None and fault.kind == "slow" else 1)
-        progress = world.peer_progress
+        # with NIXL's progress thread off a transfer that carries a notification completes only
+        # once its remote calls into NIXL; one without does not wait (measured on UCX cma and
+        # cuda_ipc: hkvsim.backends.progress_probe). Every connector transfer carries one.
+        progress = world.peer_progress if x.notif else None
         event = world.fabric.transfer(
             initiator=me.endpoint, src=src.endpoint, dst=dst.endpoint, nbytes=int(wire_bytes),
             descriptors=x.coalesced, unprepped=x.unprepped,
