@@ -414,9 +414,9 @@ coordinator_call_us = {fit.coordinator_call_us}
 """
     if fit.peer_poll_idle_us:
         out += f"""# A rank calls into NIXL every peer_poll_busy_us with transfers in flight, every
-# peer_poll_idle_us otherwise, and when a message wakes it (backends/rank.py): a cma transfer
-# completes once the remote agent has progressed since the post; a notification is seen at the
-# receiver's next poll.
+# peer_poll_idle_us otherwise, and when a message wakes it (backends/rank.py): a transfer that
+# carries a notification (every connector transfer) completes once the remote agent has
+# progressed since the post; a notification is seen at the receiver's next poll.
 peer_poll_idle_us = {fit.peer_poll_idle_us}
 peer_poll_busy_us = {fit.peer_poll_busy_us}
 """

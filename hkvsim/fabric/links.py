@@ -28,7 +28,8 @@ Model of one ``Fabric.transfer``:
    telemetry on cma counts the copy in the post): the timing's ``post_end`` is ``wire_end``,
    and the wire (the copy) lies within the post.
    With ``peer_poll_*`` the transfer then completes no earlier than the remote agent's first
-   NIXL poll since the post (``peer_progress``, given by the transport). With
+   NIXL poll since the post (``peer_progress``, given by the transport for a transfer that
+   carries a notification, as every connector transfer does: NIXL's progress thread off). With
    ``poll_cpu_us`` the other rank processes of the node poll NIXL on the same cores: CPU work
    that finds ``k`` of the node's cores busy (itself included) is stretched by
    ``max(1, k / max(cores - demand, 1))``, ``demand`` being the other ranks' polling
