@@ -204,9 +204,16 @@ def _target_main(peer: Any, log_path: str, nbytes: int, mem_type: str = "DRAM") 
 def _initiator_main(peer: Any, parent: Any, log_path: str, nbytes: int, sizes: list[int],
                     counts: list[int], budget: float, min_reps: int, mem_type: str = "DRAM"
                     ) -> None:
+    serve_initiator(peer, parent, log_path, lambda: _initiate(
+        peer, nbytes, sizes, counts, budget, min_reps, mem_type))
+
+
+def serve_initiator(peer: Any, parent: Any, log_path: str, work: Any) -> None:
+    """An initiator process's body: log to ``log_path``, run ``work()``, tell the target to
+    stop, and send the result (or the error, as text: never pickled) to the parent."""
     _redirect(log_path)
     try:
-        result = _initiate(peer, nbytes, sizes, counts, budget, min_reps, mem_type)
+        result = work()
     except Exception as exc:  # reported to the parent, never pickled
         result = {"error": f"{type(exc).__name__}: {exc}"}
     try:

@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from .calibrate import _agent, _Memory, _recv, _redirect, _send, log_transports, run_pair
+from .calibrate import (_agent, _Memory, _recv, _redirect, _send, log_transports, run_pair,
+                        serve_initiator)
 
 __all__ = ["run_probe", "main", "TARGET_MODES"]
 
@@ -89,16 +90,7 @@ def _target_main(peer: Any, log_path: str, nbytes: int, mem_type: str, poll_s: f
 
 def _initiator_main(peer: Any, parent: Any, log_path: str, nbytes: int, plan: dict[str, Any]
                     ) -> None:
-    _redirect(log_path)
-    try:
-        result = _initiate(peer, nbytes, plan)
-    except Exception as exc:  # reported to the parent, never pickled
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    try:
-        _send(peer, {"op": "stop"})
-    except OSError:
-        pass
-    _send(parent, result)
+    serve_initiator(peer, parent, log_path, lambda: _initiate(peer, nbytes, plan))
 
 
 def _initiate(peer: Any, nbytes: int, plan: dict[str, Any]) -> dict[str, Any]:
