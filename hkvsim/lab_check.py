@@ -442,63 +442,56 @@ def main(argv: list[str] | None = None) -> int:
         (out / "vram-registration.json").write_text(json.dumps(reg, indent=2) + "\n")
         steps["vram registration"] = {"ok": reg["ok"], "problems": [
             f"cuda:{d['device']}: {d['error']}" for d in reg["devices"] if not d["ok"]]}
-    pull_push = Path(args.scenarios) / "gpu-pull-push.toml"
-    rc, data, err = torchrun_json(pull_push, nproc=2, device=args.device,
-                                  log_dir=out / "logs" / "pull-push", timeout=args.timeout,
-                                  ranks_per_gpu=share, progress_thread=args.progress_thread)
-    (out / "pull-push.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-    found = byte_problems(data, 2) + ([f"torchrun exit status {rc}: {err.strip()[-400:]}"]
-                                      if rc else [])
-    steps["tiny-kimi-linear pull and push, 2 ranks"] = {"ok": not found, "problems": found,
-                                                         "warnings": run_warnings(data)}
-    if not args.skip_sweep:
-        memory = "VRAM" if args.device == "cuda" else "DRAM"
+    memory = "VRAM" if args.device == "cuda" else "DRAM"
+
+    def torchrun_step(title: str, file: str, name: str, json_name: str, *, nproc: int,
+                      ranks_per_gpu: int) -> tuple[Path, dict[str, Any] | None]:
+        """A torchrun step: run the scenario file, write its JSON, and pass only when torchrun
+        exited 0 and every variant of the file ran byte-exact."""
+        from .scenario import load_scenarios
+
+        scenario = Path(args.scenarios) / file
+        rc, data, err = torchrun_json(scenario, nproc=nproc, device=args.device,
+                                      log_dir=out / "logs" / name, timeout=args.timeout,
+                                      ranks_per_gpu=ranks_per_gpu,
+                                      progress_thread=args.progress_thread)
+        (out / json_name).write_text(json.dumps(data, indent=2, default=str) + "\n")
+        found = byte_problems(data, len(load_scenarios(str(scenario)))) + (
+            [f"torchrun exit status {rc}: {err.strip()[-400:]}"] if rc else [])
+        steps[title] = {"ok": not found, "problems": found, "warnings": run_warnings(data)}
+        return scenario, data
+
+    def measured_step(title: str, key: str, json_name: str, measure: Any,
+                      **dump: Any) -> None:
+        """A step measured in this process (the sweep, the probe): fails with its message."""
         try:
-            sweep = transfer_sweep(memory, args.sweep_budget)
-            summary["transfer_sweep"] = sweep
-            (out / "transfer-sweep.json").write_text(json.dumps(sweep, indent=2, allow_nan=False)
-                                                     + "\n")
-            steps[f"NIXL transfer sweep ({memory})"] = {"ok": True, "problems": []}
+            result = measure()
         except (RuntimeError, ValueError) as exc:
-            steps[f"NIXL transfer sweep ({memory})"] = {"ok": False, "problems": [str(exc)]}
+            steps[title] = {"ok": False, "problems": [str(exc)]}
+            return
+        summary[key] = result
+        (out / json_name).write_text(json.dumps(result, indent=2, **dump) + "\n")
+        steps[title] = {"ok": True, "problems": []}
+
+    torchrun_step("tiny-kimi-linear pull and push, 2 ranks", "gpu-pull-push.toml", "pull-push",
+                  "pull-push.json", nproc=2, ranks_per_gpu=share)
+    if not args.skip_sweep:
+        measured_step(f"NIXL transfer sweep ({memory})", "transfer_sweep", "transfer-sweep.json",
+                      lambda: transfer_sweep(memory, args.sweep_budget), allow_nan=False)
     if not args.skip_calibration:
-        calib = Path(args.scenarios) / "gpu-calibration.toml"
-        rc, data, err = torchrun_json(calib, nproc=2, device=args.device,
-                                      log_dir=out / "logs" / "calibration", timeout=args.timeout,
-                                      ranks_per_gpu=share, progress_thread=args.progress_thread)
-        (out / "calibration-measured.json").write_text(json.dumps(data, indent=2, default=str)
-                                                       + "\n")
-        rows = calibration_rows(data, calib)
-        summary["calibration"] = rows
-        found = byte_problems(data, len(rows)) + ([f"torchrun exit status {rc}: "
-                                                   f"{err.strip()[-400:]}"] if rc else [])
-        steps["calibration sweep"] = {"ok": not found, "problems": found,
-                                      "warnings": run_warnings(data)}
+        calib, data = torchrun_step("calibration sweep", "gpu-calibration.toml", "calibration",
+                                    "calibration-measured.json", nproc=2, ranks_per_gpu=share)
+        summary["calibration"] = calibration_rows(data, calib)
     if not args.skip_probe:
         from .backends.progress_probe import run_probe
 
-        memory = "VRAM" if args.device == "cuda" else "DRAM"
-        try:
-            probe = run_probe(memory=memory, progress_thread=args.progress_thread,
-                              timeout=args.timeout)
-            summary["progress_probe"] = probe
-            (out / "progress-probe.json").write_text(json.dumps(probe, indent=2) + "\n")
-            steps[f"progress probe ({memory})"] = {"ok": True, "problems": []}
-        except (RuntimeError, ValueError) as exc:
-            steps[f"progress probe ({memory})"] = {"ok": False, "problems": [str(exc)]}
+        measured_step(f"progress probe ({memory})", "progress_probe", "progress-probe.json",
+                      lambda: run_probe(memory=memory, progress_thread=args.progress_thread,
+                                        timeout=args.timeout))
     if not args.skip_tp_pairs:
-        from .scenario import load_scenarios
-
-        pairs = Path(args.scenarios) / "gpu-tp-pairs.toml"
-        rc, data, err = torchrun_json(
-            pairs, nproc=TP_PAIR_WORKERS, device=args.device, log_dir=out / "logs" / "tp-pairs",
-            timeout=args.timeout, progress_thread=args.progress_thread,
-            ranks_per_gpu=TP_PAIR_WORKERS // gpus if args.device == "cuda" else 1)
-        (out / "tp-pairs.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-        found = byte_problems(data, len(load_scenarios(str(pairs)))) + (
-            [f"torchrun exit status {rc}: {err.strip()[-400:]}"] if rc else [])
-        steps[f"tiny-kimi-linear TP pairs, {TP_PAIR_WORKERS} workers"] = {
-            "ok": not found, "problems": found, "warnings": run_warnings(data)}
+        torchrun_step(f"tiny-kimi-linear TP pairs, {TP_PAIR_WORKERS} workers",
+                      "gpu-tp-pairs.toml", "tp-pairs", "tp-pairs.json", nproc=TP_PAIR_WORKERS,
+                      ranks_per_gpu=TP_PAIR_WORKERS // gpus if args.device == "cuda" else 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     (out / "summary.md").write_text(_markdown(summary))
     ok = all(s["ok"] for s in steps.values())
