@@ -138,9 +138,9 @@ def torchrun_json(scenario: Path, *, nproc: int, device: str, log_dir: Path,
     is :data:`TIMED_OUT`, with stderr saying so: a step that hangs fails, the check goes on."""
     cmd = [sys.executable, "-m", "hkvsim.lab_torchrun", "--standalone", "--nproc-per-node",
            str(nproc), "-m", "hkvsim.lab", str(scenario), "--device", device, "--json",
-           "--requests", "--log-dir", str(log_dir), "--ranks-per-gpu", str(ranks_per_gpu)]
-    if progress_thread:
-        cmd.append("--progress-thread")
+           "--requests", "--log-dir", str(log_dir), "--ranks-per-gpu", str(ranks_per_gpu),
+           # always said: hkvsim.lab's own default depends on the device
+           "--progress-thread" if progress_thread else "--no-progress-thread"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
                                 "OMP_NUM_THREADS", "1")})

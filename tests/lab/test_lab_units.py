@@ -819,12 +819,16 @@ def test_gpu_check_runs_nixls_progress_thread_as_its_device_calls_for(
                                                               "problems": ["not run here"]}
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("thread", [False, True])
 def test_gpu_checks_torchrun_step_passes_the_progress_thread_to_every_rank(
-        thread: bool, monkeypatch, tmp_path) -> None:
+        thread: bool, device: str, monkeypatch, tmp_path) -> None:
+    """Said either way: hkvsim.lab defaults to on with cuda, so leaving the flag out would turn
+    `gpu-check --no-progress-thread` back on in every rank."""
     from pathlib import Path
 
     from hkvsim import lab_check
+    from hkvsim.lab import parse_args as lab_parse
 
     commands: list[list[str]] = []
 
@@ -838,13 +842,15 @@ def test_gpu_checks_torchrun_step_passes_the_progress_thread_to_every_rank(
             return '{"outcome": "ok"}', ""
 
     monkeypatch.setattr(lab_check.subprocess, "Popen", Done)
-    code, data, _ = lab_check.torchrun_json(Path("s.toml"), nproc=2, device="cpu",
+    code, data, _ = lab_check.torchrun_json(Path("s.toml"), nproc=2, device=device,
                                             log_dir=tmp_path, timeout=5.0,
                                             progress_thread=thread)
     assert (code, data) == (0, {"outcome": "ok"})
     (cmd,) = commands
     assert cmd[cmd.index("-m", cmd.index("--nproc-per-node")) + 1] == "hkvsim.lab"
-    assert ("--progress-thread" in cmd) is thread
+    flag = "--progress-thread" if thread else "--no-progress-thread"
+    assert [a for a in cmd if a.endswith("progress-thread")] == [flag]
+    assert lab_parse(cmd[cmd.index("hkvsim.lab") + 1:]).progress_thread is thread
 
 
 @pytest.mark.parametrize("argv, thread", [
