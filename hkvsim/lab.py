@@ -91,11 +91,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def default_progress_thread(device: str) -> bool:
+    """NIXL's progress thread unless asked: on with ``cuda`` (what vLLM's connector runs), off
+    with ``cpu`` (ranks poll NIXL in their loop; on a 2-core box the thread's busy polling
+    starves the copies). gpu-check uses the same rule."""
+    return device == "cuda"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with the defaults that depend on the device resolved."""
     args = _parser().parse_args(argv)
     if args.progress_thread is None:
-        args.progress_thread = args.device == "cuda"
+        args.progress_thread = default_progress_thread(args.device)
     return args
 
 

@@ -419,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                         "gpu-tp-pairs.toml")
     args = p.parse_args(argv)
     if args.progress_thread is None:
-        args.progress_thread = args.device == "cuda"
+        from .lab import default_progress_thread
+
+        args.progress_thread = default_progress_thread(args.device)
     gpus = args.gpus or (_visible_gpus() if args.device == "cuda" else 2)
     problems = preflight(args.device, gpus=gpus)
     if problems:
