@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -506,6 +507,80 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_OK if not diffs else EXIT_EXPECTATION
 
 
+def _fail_input(message: str) -> int:
+    print(f"hkvsim: error: {message}", file=sys.stderr)
+    return EXIT_INPUT
+
+
+# hkvsim.fuzz.FUZZ_PRESETS, spelled here so that building the parser imports nothing heavy
+FUZZ_PRESETS_DEFAULT = ("tiny-kimi-linear", "tiny-qwen3-next", "tiny-deepseek", "tiny-llama")
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    """Random valid deployments, each run and checked against the rules no run may break.
+    Exit 0 when nothing broke one, 1 when something did, 2 for bad options."""
+    from pathlib import Path
+
+    from .connector.quirks import quirk_names
+    from .fuzz import FuzzOptions, fuzz
+    from .geometry.presets import preset_names
+
+    presets = tuple(p.strip() for p in args.presets.split(",") if p.strip())
+    unknown = [p for p in presets if p not in preset_names()]
+    if unknown:
+        return _fail_input(f"--presets: unknown preset(s) {', '.join(unknown)}; allowed: "
+                           f"{', '.join(preset_names())}")
+    if args.quirk is not None and args.quirk not in quirk_names():
+        return _fail_input(f"--quirk: unknown quirk {args.quirk!r}; allowed: "
+                           f"{', '.join(quirk_names())} (hkvsim quirks describes them)")
+    try:
+        options = FuzzOptions(seed=args.seed, count=args.count, presets=presets,
+                              max_requests=args.max_requests,
+                              max_prompt_tokens=args.max_prompt_tokens, faults=args.faults,
+                              quirk=args.quirk, implementation=args.implementation,
+                              determinism=args.determinism,
+                              scenario_timeout=args.scenario_timeout, time_limit=args.time_limit)
+    except ValueError as exc:
+        return _fail_input(f"fuzz: {exc}")
+    out = Path(args.out) if args.out else None
+    if not args.verbose:  # the runs' own warnings (prefix hits rounded down, vLLM's notes on
+        # its CPU platform) would drown the findings; vLLM reads its level when first imported
+        logging.getLogger("hkvsim").setLevel(logging.ERROR)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+    def said(case: Any) -> None:
+        if not args.json:
+            for f in case.findings:
+                print(f"scenario {case.index}: {f.implementation}: {f.kind}: {f.detail}"[:300],
+                      flush=True)
+
+    report = fuzz(options, out_dir=out, on_case=said)
+    data = report.as_dict()
+    if args.json:
+        _emit_json({k: v for k, v in data.items() if k != "cases"} | (
+            {"cases": data["cases"]} if args.out is None else {}))
+    else:
+        where = f" (vLLM {data['vllm_version']})" if data["vllm_version"] else ""
+        print(f"{data['ran']} scenario(s) of seed {data['seed']} in {data['seconds']:.1f} s"
+              f"{' (time limit reached)' if data['stopped_early'] else ''}: "
+              f"{data['checked']} checked, {data['skipped']} skipped, "
+              f"{data['refused_input']} refused by the input checks; implementation "
+              f"{data['implementation']}{where}")
+        for name, counts in data["outcomes"].items():
+            print(f"  {name} outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        for reason, n in sorted(data["skip_reasons"].items(), key=lambda kv: -kv[1]):
+            print(f"  skipped {n}: {reason}")
+        print(f"{data['findings']} finding(s) in {data['scenarios_with_findings']} scenario(s), "
+              f"{len(data['groups'])} signature(s)")
+        for g in data["groups"]:
+            print(f"  {g['scenarios']:>4} x {g['signature']} (e.g. scenario {g['example']})")
+        if out is not None:
+            print(f"wrote {out / 'fuzz.json'}"
+                  + (f" and {data['scenarios_with_findings']} finding-NNNN.toml file(s)"
+                     if data["scenarios_with_findings"] else ""))
+    return EXIT_OK if not data["findings"] else EXIT_EXPECTATION
+
+
 def cmd_quirks(args: argparse.Namespace) -> int:
     from .connector.quirks import QUIRKS
 
@@ -711,6 +786,41 @@ def build_parser() -> argparse.ArgumentParser:
                         "nixl: real NIXL agents, one process per rank, DRAM)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_diff)
+    p = sub.add_parser("fuzz", help="run random valid deployments (both modes, every TP pair, "
+                                    "block size ratios, prefix hits, merging, faults) and "
+                                    "report every run that corrupts, hangs, leaks or fails")
+    p.add_argument("--count", type=int, default=50, help="scenarios to draw (default 50)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the seed: scenario i of a seed is the same file on any machine")
+    p.add_argument("--presets", default=",".join(FUZZ_PRESETS_DEFAULT),
+                   help="comma-separated model presets to draw from (default: the four tiny "
+                        "ones)")
+    p.add_argument("--faults", action="store_true",
+                   help="add one or two faults per scenario (short leases and watchdogs); "
+                        "failures are then allowed, corruption, hangs and leaks still are not")
+    p.add_argument("--quirk", default=None, metavar="NAME",
+                   help="replay a known connector bug in hkvsim's core on every scenario "
+                        "(hkvsim quirks lists them): the findings are the deployments it breaks")
+    p.add_argument("--implementation", default="hkvsim", choices=["hkvsim", "vllm", "both"],
+                   help="whose connector runs: hkvsim's core (default), vLLM's (under "
+                        "scripts/with-vllm VERSION), or both, adding every difference hkvsim "
+                        "diff reports")
+    p.add_argument("--determinism", action="store_true",
+                   help="run every scenario twice and report any that differs")
+    p.add_argument("--max-requests", type=int, default=6,
+                   help="requests per scenario, at most (default 6)")
+    p.add_argument("--max-prompt-tokens", type=int, default=3000,
+                   help="prompt tokens per request, at most (default 3000)")
+    p.add_argument("--scenario-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="wall time one run may take before it counts as a finding (default "
+                        "120)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="start no new scenario after this much wall time")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write fuzz.json and each finding's scenario (finding-NNNN.toml, with "
+                        "the command that reproduces it) there")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_fuzz)
     p = sub.add_parser("quirks", help="list the named replays of known connector bugs")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_quirks)

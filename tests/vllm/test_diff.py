@@ -111,3 +111,21 @@ def test_diff_agrees_on_mla_pull_and_reports_a_planted_divergence(
     out = capsys.readouterr().out
     assert "run: outcome: hkvsim 'ok', vllm 'corruption'" in out
     assert "request 0: byte_exact: hkvsim True, vllm False" in out
+
+
+def test_fuzz_runs_both_connectors_and_reproduces_its_findings(vllm_required, tmp_path) -> None:
+    """hkvsim fuzz --implementation both under a real vLLM release: every drawn deployment runs
+    on both (or is skipped with vLLM's reason), and what it writes names the release."""
+    from hkvsim.fuzz import FuzzOptions, fuzz
+
+    report = fuzz(FuzzOptions(seed=1, count=3, presets=("tiny-deepseek",), max_requests=2,
+                              max_prompt_tokens=300, implementation="both"), out_dir=tmp_path)
+    assert len(report.cases) == 3
+    for case in report.cases:
+        assert case.status in ("checked", "skipped"), (case.status, case.reason)
+        if case.status == "checked":
+            assert set(case.outcomes) == {"hkvsim", "vllm"}
+        assert not [f for f in case.findings if f.kind == "crash"], case.findings
+    assert report.vllm_version == vllm_required
+    data = json.loads((tmp_path / "fuzz.json").read_text())
+    assert data["vllm_version"] == vllm_required and data["implementation"] == "both"

@@ -91,7 +91,10 @@ def vllm_failure(exc: BaseException) -> VllmFailure:
     if frames:
         rel = os.path.relpath(os.path.abspath(frames[-1].filename), root)
         where = f"{rel.replace(os.sep, '/')}:{frames[-1].lineno}"
-    text = str(exc).splitlines()[0] if str(exc) else ""
+    # the first lines (a pydantic error's first line only counts the errors; the next ones say
+    # which field and why), joined onto one line
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " / ".join(lines[:4])[:400]
     if isinstance(exc, AssertionError):
         line = (frames[-1].line or "").strip() if frames else ""
         what = line if line.startswith("assert") else "AssertionError"
