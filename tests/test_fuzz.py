@@ -23,9 +23,15 @@ def _texts(seed: int, n: int, **kw) -> list[str]:
     return [generate(seed, i, options)[0] for i in range(n)]
 
 
+def _body(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.startswith("name = "))
+
+
 def test_scenarios_are_a_function_of_seed_and_index() -> None:
     assert _texts(5, 20) == _texts(5, 20)
-    assert _texts(5, 20) != _texts(6, 20)
+    # the seed changes the deployments themselves, not only their names
+    assert [_body(t) for t in _texts(5, 20)] != [_body(t) for t in _texts(6, 20)]
+    assert len({_body(t) for t in _texts(5, 20)}) == 20
     # scenario i does not depend on how many were asked for
     assert _texts(5, 3) == _texts(5, 20)[:3]
 
@@ -70,8 +76,9 @@ def test_faults_are_added_only_when_asked_and_parse() -> None:
     assert len(kinds) >= 9  # every kind the scenario format has
 
 
-def test_a_clean_core_has_no_findings() -> None:
-    report = fuzz(FuzzOptions(seed=11, count=10))
+def test_a_clean_core_has_no_findings(tmp_path) -> None:
+    report = fuzz(FuzzOptions(seed=11, count=10), out_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["fuzz.json"]  # no finding files
     assert len(report.cases) == 10
     assert all(c.status == "checked" for c in report.cases)
     assert report.findings == []
