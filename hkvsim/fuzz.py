@@ -299,21 +299,32 @@ class _Timeout(Exception):
 @contextmanager
 def _deadline(seconds: float) -> Iterator[None]:
     """Raise _Timeout in the main thread after ``seconds`` of wall time (elsewhere: no limit;
-    signals reach only the main thread)."""
+    signals reach only the main thread). An alarm already set (pytest-timeout's, a caller's) is
+    kept: if it is due first its handler runs when it is due, and either way it is re-armed for
+    the time it has left when this ends."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    outer_delay, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    outer_first = 0 < outer_delay < seconds
+    start = time.monotonic()
 
     def fire(signum: int, frame: Any) -> None:
+        if outer_first and callable(outer_handler):
+            outer_handler(signum, frame)
+            return
         raise _Timeout()
 
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    outer_handler = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, outer_delay if outer_first else seconds)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        signal.signal(signal.SIGALRM, outer_handler)
+        if outer_delay > 0 and not (outer_first and time.monotonic() - start >= outer_delay):
+            left = outer_delay - (time.monotonic() - start)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer_interval)
 
 
 def _crash(exc: BaseException) -> str:

@@ -294,3 +294,52 @@ def test_side_by_side_faults_never_draw_chances() -> None:
     assert probs <= {None, 1.0} and 1.0 in probs
     assert 0.5 in {f.get("probability") for t in _texts(2, 80, faults=True)
                    for f in tomllib.loads(t)["faults"]}
+
+
+@pytest.mark.parametrize("folder,kw", [("core", dict(seed=0)),
+                                       ("core-faults", dict(seed=1, faults=True))])
+def test_the_committed_core_reports_match_the_code(folder, kw) -> None:
+    """reports/fuzz/ records what the code does: the first scenarios of each committed core run,
+    run again now, end the same way and find the same (nothing)."""
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).resolve().parent.parent / "reports" / "fuzz" / folder
+                       / "fuzz.json").read_text())
+    assert data["findings"] == 0 and data["ran"] == data["count"] == 300
+    n = 25
+    report = fuzz(FuzzOptions(count=n, **kw))
+    assert [(c.index, c.preset, c.mode, c.outcomes) for c in report.cases] == [
+        (c["index"], c["preset"], c["mode"], c["outcomes"]) for c in data["cases"][:n]]
+    assert report.findings == []
+
+
+class _Outer(Exception):
+    pass
+
+
+def test_the_per_run_deadline_keeps_an_alarm_already_set() -> None:
+    """pytest-timeout (and any caller) arms SIGALRM too: the fuzz's deadline must neither cancel
+    it nor swallow it."""
+    import signal
+
+    from hkvsim.fuzz import _deadline
+
+    def outer(signum, frame):
+        raise _Outer()
+
+    old = signal.signal(signal.SIGALRM, outer)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        with _deadline(5.0):
+            pass
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 25.0 < left <= 30.0 and signal.getsignal(signal.SIGALRM) is outer
+        signal.setitimer(signal.ITIMER_REAL, 0.2)  # the outer alarm is due first
+        t0 = time.perf_counter()
+        with pytest.raises(_Outer):
+            with _deadline(5.0):
+                time.sleep(3)
+        assert time.perf_counter() - t0 < 2
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
