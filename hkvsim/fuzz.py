@@ -352,6 +352,14 @@ def run_case(case: FuzzCase, options: FuzzOptions, *, run: Callable[[Any], Any] 
     except ScenarioError as exc:
         case.status, case.reason = "refused-input", str(exc)
         return
+    if run is _run:  # the memory guard of `hkvsim run`: a drawn run that cannot fit is skipped
+        from .memory_estimate import MemoryGuardError, check_fits
+
+        try:
+            check_fits(scenario, timing_only=False)
+        except MemoryGuardError as exc:
+            case.status, case.reason = "refused-input", str(exc)
+            return
     names = ("hkvsim", "vllm") if options.implementation == "both" else (options.implementation,)
     results: dict[str, Any] = {}
     for name in names:

@@ -343,3 +343,13 @@ def test_the_per_run_deadline_keeps_an_alarm_already_set() -> None:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_a_drawn_run_that_would_not_fit_in_memory_is_refused_not_run(monkeypatch) -> None:
+    import hkvsim.memory_estimate as me
+
+    monkeypatch.setattr(me, "available_memory", lambda: 1 << 20)  # 1 MiB free
+    report = fuzz(FuzzOptions(seed=0, count=2))
+    assert [c.status for c in report.cases] == ["refused-input"] * 2
+    assert all("a verified run needs about" in c.reason for c in report.cases)
+    assert report.findings == [] and report.as_dict()["refused_input"] == 2
