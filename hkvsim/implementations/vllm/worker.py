@@ -200,11 +200,17 @@ class VllmConnectorWorker:
             # and counts it failed (not done) once they all ended and one ended in ERR, as its
             # checks saw them (its own record of the failure, _send_failures, is emptied in the
             # same call that fills it once the last WRITE ended)
+            # A state check that raised counts as an end in ERR: vLLM handles both alike
+            # (_handle_failed_transfer), and the check raised before vLLM saw a state
             agent = self.vllm.agent
+
+            def ended(h: int) -> str | None:
+                return agent.ended_as(h) or ("ERR" if agent.poll_failure(h) else None)
+
             failed = set(getattr(self.vllm.worker, "_send_failures", ()))
             failed |= {rid for rid, f in self._in_flight.items() if f.handles
-                       and all(agent.ended_as(h) for h in f.handles)
-                       and any(agent.ended_as(h) == "ERR" for h in f.handles)}
+                       and all(ended(h) for h in f.handles)
+                       and any(ended(h) == "ERR" for h in f.handles)}
             # a request vLLM lists as sent although a WRITE of it did not end DONE (0.26.0 lists
             # one whose WRITE ended in ERR) completed no transfer: no telemetry
             out = [self._end(rid, completed=self._all_done(rid))
