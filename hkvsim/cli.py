@@ -545,7 +545,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if not args.verbose:  # the runs' own warnings (prefix hits rounded down, vLLM's notes on
         # its CPU platform) would drown the findings; vLLM reads its level when first imported
-        logging.getLogger("hkvsim").setLevel(logging.ERROR)
+        for name in ("hkvsim", "vllm"):
+            logging.getLogger(name).setLevel(logging.ERROR)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
     def said(case: Any) -> None:
