@@ -82,7 +82,9 @@ def test_a_clean_core_has_no_findings(tmp_path) -> None:
     assert len(report.cases) == 10
     assert all(c.status == "checked" for c in report.cases)
     assert report.findings == []
-    assert report.as_dict()["outcomes"] == {"hkvsim": {"ok": 10}}
+    data = report.as_dict()
+    assert data["outcomes"] == {"hkvsim": {"ok": 10}}
+    assert (data["checked"], data["skipped"], data["refused_input"]) == (10, 0, 0)
 
 
 def test_a_replayed_bug_is_found_grouped_and_written_to_reproduce(tmp_path) -> None:
@@ -134,6 +136,10 @@ def test_checks_flag_corruption_hangs_and_leaks_whatever_the_faults(faulty) -> N
     assert [f.kind for f in found] == ["corruption"]
     assert "1 request(s): 1" in found[0].detail
     assert found[0].signature.endswith("| tiny-llama pull")
+    many = _result(records=[_rec(i, words=1) for i in range(11)], corrupted=11,
+                   outcome="corruption")
+    (f,) = check_run(many, faulty=faulty, implementation="hkvsim", where="x")
+    assert f.detail.endswith("11 request(s): 0, 1, 2, 3, 4, 5, 6, 7 (and 3 more)"), f.detail
     assert kinds(_result(late_landings=2, outcome="corruption")) == ["corruption"]
     assert kinds(_result(stray_writes=1, outcome="corruption")) == ["corruption"]
     assert kinds(_result(records=[_rec(0, status="pending")], hung=1,
@@ -329,6 +335,10 @@ def test_the_per_run_deadline_keeps_an_alarm_already_set() -> None:
 
     old = signal.signal(signal.SIGALRM, outer)
     try:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # no alarm set: none is left behind
+        with _deadline(5.0):
+            pass
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
         signal.setitimer(signal.ITIMER_REAL, 30.0)
         with _deadline(5.0):
             pass
