@@ -140,6 +140,10 @@ def test_checks_flag_corruption_hangs_and_leaks_whatever_the_faults(faulty) -> N
                    outcome="corruption")
     (f,) = check_run(many, faulty=faulty, implementation="hkvsim", where="x")
     assert f.detail.endswith("11 request(s): 0, 1, 2, 3, 4, 5, 6, 7 (and 3 more)"), f.detail
+    eight = _result(records=[_rec(i, words=1) for i in range(8)], corrupted=8,
+                    outcome="corruption")
+    (f,) = check_run(eight, faulty=faulty, implementation="hkvsim", where="x")
+    assert f.detail.endswith("8 request(s): 0, 1, 2, 3, 4, 5, 6, 7"), f.detail
     assert kinds(_result(late_landings=2, outcome="corruption")) == ["corruption"]
     assert kinds(_result(stray_writes=1, outcome="corruption")) == ["corruption"]
     assert kinds(_result(records=[_rec(0, status="pending")], hung=1,
@@ -362,4 +366,6 @@ def test_a_drawn_run_that_would_not_fit_in_memory_is_refused_not_run(monkeypatch
     report = fuzz(FuzzOptions(seed=0, count=2))
     assert [c.status for c in report.cases] == ["refused-input"] * 2
     assert all("a verified run needs about" in c.reason for c in report.cases)
-    assert report.findings == [] and report.as_dict()["refused_input"] == 2
+    data = report.as_dict()
+    assert report.findings == [] and (data["checked"], data["skipped"], data["refused_input"]) \
+        == (0, 0, 2)
