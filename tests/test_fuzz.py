@@ -179,7 +179,8 @@ def test_a_crash_is_a_finding_naming_where_it_came_from() -> None:
     case = _case(options)
     run_case(case, options, run=boom)
     (f,) = case.findings
-    assert f.kind == "crash" and "RuntimeError at test_fuzz.py:" in f.signature
+    raised_at = boom.__code__.co_firstlineno + 1  # the raise, not a frame above it
+    assert f.kind == "crash" and f"RuntimeError at test_fuzz.py:{raised_at} |" in f.signature
     assert "kaput" in f.detail and case.status == "checked"
 
 
@@ -369,3 +370,15 @@ def test_a_drawn_run_that_would_not_fit_in_memory_is_refused_not_run(monkeypatch
     data = report.as_dict()
     assert report.findings == [] and (data["checked"], data["skipped"], data["refused_input"]) \
         == (0, 0, 2)
+
+
+def test_the_reproduce_line_names_the_command_and_the_release() -> None:
+    from hkvsim.fuzz import reproduce_command
+
+    def cmd(impl, version):
+        return reproduce_command(FuzzOptions(implementation=impl), "d/f.toml", version)
+
+    assert cmd("hkvsim", None) == "hkvsim run d/f.toml"
+    assert cmd("both", "0.33.0") == "scripts/with-vllm 0.33.0 hkvsim diff d/f.toml"
+    assert cmd("both", None) == "scripts/with-vllm VERSION hkvsim diff d/f.toml"
+    assert cmd("vllm", "0.26.0") == "scripts/with-vllm 0.26.0 hkvsim run d/f.toml"
