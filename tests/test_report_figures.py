@@ -199,3 +199,86 @@ prompt_tokens = [4000, 300]
     assert rows[300]["transfer"] < rows[4000]["transfer"]
     # and the queueing it left out is still reported, as post wait
     assert rows[300]["breakdown"]["post wait"] > 0
+
+
+# ---- the values drawn are the rows' values, in the units the axes say -------------------------
+def _primary(variants: list[Any]) -> tuple[list[dict[str, Any]], str]:
+    return plots.primary_rows(request_rows(variants))
+
+
+def test_transfer_times_drawn_are_the_rows_in_ms(qwen, drawn, tmp_path) -> None:
+    rows, caption = _primary(qwen)
+    plots.prompt_sweep(rows, tmp_path, caption)
+    fig = drawn["transfer-vs-prompt.png"]
+    panels = [ax for ax in fig.axes if ax.get_ylabel() == "transfer time (ms)"]
+    assert len(panels) == 2  # pull and push
+    per: dict[tuple, dict[int, list[float]]] = {}
+    for r in rows:
+        if r["hit_tokens"] == 0:
+            key = (r["mode"], r["prefill_tp"], r["decode_tp"])
+            per.setdefault(key, {}).setdefault(r["prompt_tokens"], []).append(r["transfer"])
+    expected = {(x, round(1e3 * sum(ts) / len(ts), 9)) for points in per.values()
+                for x, ts in points.items()}
+    got = {(float(x), round(float(y), 9)) for ax in panels for ln in ax.get_lines()
+           for x, y in zip(ln.get_xdata(), ln.get_ydata())}
+    assert got and got <= expected and {x for x, _ in got} == {x for x, _ in expected}
+
+    plots.tp_heatmap(rows, tmp_path, caption)
+    prompt = plots.heatmap_prompt(rows)
+    images = {ax.get_title().split()[0]: ax.images[0] for ax in drawn["tp-heatmap.png"].axes
+              if ax.images}
+    for mode, image in images.items():
+        cells = image.get_array()
+        for r in rows:
+            if r["mode"] == mode and r["prompt_tokens"] == prompt and r["hit_tokens"] == 0:
+                i = sorted({x["prefill_tp"] for x in rows}).index(r["prefill_tp"])
+                j = sorted({x["decode_tp"] for x in rows}).index(r["decode_tp"])
+                assert cells[i, j] <= 1e3 * r["transfer"] + 1e-9, (mode, i, j)
+                assert any(abs(cells[i, j] - 1e3 * x["transfer"]) < 1e-9 for x in rows
+                           if x["mode"] == mode and x["prompt_tokens"] == prompt
+                           and (x["prefill_tp"], x["decode_tp"]) == (r["prefill_tp"],
+                                                                     r["decode_tp"]))
+
+
+def test_the_bytes_scattered_are_per_decode_rank(qwen, drawn, tmp_path) -> None:
+    rows, caption = _primary(qwen)
+    plots.kv_vs_state(qwen, rows, tmp_path, caption)
+    ax = drawn["kv-vs-state.png"].axes[0]
+    (dots,) = [c for c in ax.collections if c.get_label().startswith("moved per decode rank")]
+    pull = [r for r in rows if r["mode"] == "pull" and r["hit_tokens"] == 0]
+    assert sorted(map(tuple, dots.get_offsets().tolist())) == sorted(
+        (float(r["prompt_tokens"]), r["nbytes"] / r["decode_tp"]) for r in pull)
+
+
+def test_the_breakdown_bars_add_up_to_each_request_in_ms(qwen, drawn, tmp_path) -> None:
+    rows, caption = _primary(qwen)
+    plots.time_breakdown(rows, tmp_path, caption)
+    fig = drawn["time-breakdown.png"]
+    for ax in fig.axes:
+        mode, _, which = ax.get_title().partition(" - ")
+        pairs = sorted({(r["prefill_tp"], r["decode_tp"]) for r in rows if r["mode"] == mode})
+        ends: dict[int, float] = {}
+        for bar in ax.patches:
+            k = round(bar.get_y() + bar.get_height() / 2)
+            ends[k] = max(ends.get(k, 0.0), bar.get_x() + bar.get_width())
+        for k, pair in enumerate(pairs):
+            mine = [r for r in rows if r["mode"] == mode
+                    and (r["prefill_tp"], r["decode_tp"]) == pair]
+            cold = [r for r in mine if r["breakdown"]["handshake"] > 0]
+            warm = [r for r in mine if r["breakdown"]["handshake"] == 0]
+            if which.startswith("cold"):
+                want = 1e3 * sum(cold[0]["breakdown"].values()) if cold else 0.0
+            else:
+                want = 1e3 * sum(sum(r["breakdown"].values()) for r in warm) / len(warm) \
+                    if warm else 0.0
+            assert ends.get(k, 0.0) == pytest.approx(want, rel=1e-9, abs=1e-9), (mode, which,
+                                                                                 pair)
+
+
+def test_utilisation_steps_are_in_ms_with_idle_gaps_at_zero() -> None:
+    segs = [{"t_start": 0.002, "t_end": 0.003, "rate": 5.0, "capacity": 10.0},
+            {"t_start": 0.001, "t_end": 0.002, "rate": 10.0, "capacity": 10.0},
+            {"t_start": 0.005, "t_end": 0.006, "rate": 2.5, "capacity": 10.0}]
+    xs, ys = plots._utilisation_steps(segs)
+    assert xs == pytest.approx([1, 2, 2, 3, 3, 5, 5, 6])
+    assert ys == pytest.approx([1, 1, 0.5, 0.5, 0, 0, 0.25, 0.25])
