@@ -223,6 +223,20 @@ def test_transfer_times_drawn_are_the_rows_in_ms(qwen, drawn, tmp_path) -> None:
            for x, y in zip(ln.get_xdata(), ln.get_ydata())}
     assert got and got <= expected and {x for x, _ in got} == {x for x, _ in expected}
 
+    _check_heatmap_cells(rows, drawn, tmp_path, caption)
+
+
+def test_a_heatmap_cell_of_several_requests_is_their_fastest_in_ms(drawn, tmp_path) -> None:
+    # two requests of each pair share the heatmap's prompt: the cell is the faster one
+    variants = _variants(SWEEP.format(model="tiny-llama").replace(
+        "prompt_tokens = [300, 1200, 2500]", "prompt_tokens = [2500, 300, 2500]"), "llama")
+    rows, caption = _primary(variants)
+    shared = [r for r in rows if r["prompt_tokens"] == 2500]
+    assert len(shared) == 2 * len({(r["mode"], r["prefill_tp"], r["decode_tp"]) for r in shared})
+    _check_heatmap_cells(rows, drawn, tmp_path, caption)
+
+
+def _check_heatmap_cells(rows, drawn, tmp_path, caption) -> None:
     plots.tp_heatmap(rows, tmp_path, caption)
     prompt = plots.heatmap_prompt(rows)
     images = {ax.get_title().split()[0]: ax.images[0] for ax in drawn["tp-heatmap.png"].axes
