@@ -300,3 +300,30 @@ def test_utilisation_steps_are_in_ms_with_idle_gaps_at_zero() -> None:
     xs, ys = plots._utilisation_steps(segs)
     assert xs == pytest.approx([1, 2, 2, 3, 3, 5, 5, 6])
     assert ys == pytest.approx([1, 1, 0.5, 0.5, 0, 0, 0.25, 0.25])
+
+
+def test_the_comparison_scatter_is_each_request_in_ms(drawn, tmp_path) -> None:
+    comparison = {"axis": "decode.tp", "baseline": "1",
+                  "pairs": {"2": [(0.001, 0.002), (0.004, 0.003)], "4": [(0.002, 0.0005)],
+                            "8": []}}
+    plots.axis_comparison(comparison, tmp_path)
+    ax = drawn["compare.png"].axes[0]
+    dots = {c.get_label(): sorted(map(tuple, c.get_offsets().tolist())) for c in ax.collections}
+    assert dots == {"2 (2 requests)": [(1.0, 2.0), (4.0, 3.0)], "4 (1 requests)": [(2.0, 0.5)]}
+
+
+def test_merge_bars_stand_side_by_side_at_their_values(drawn, tmp_path) -> None:
+    families = [{"family": "a", "modes": {"off": {"posted": 100, "transfer_seconds": 0.004},
+                                          "contiguous": {"posted": 40, "transfer_seconds": 0.003},
+                                          "strided": {"posted": 10, "transfer_seconds": 0.002}}},
+                {"family": "b", "modes": {"off": {"posted": 50, "transfer_seconds": 0.002},
+                                          "contiguous": {"posted": 50,
+                                                         "transfer_seconds": 0.002}}}]
+    plots.merge_comparison(families, tmp_path)
+    ax_d, ax_t = drawn["descriptor-merging.png"].axes[:2]
+    for ax, values in ((ax_d, [100, 50, 40, 50, 10, 0]),
+                       (ax_t, [100.0, 100.0, 75.0, 100.0, 50.0, 0.0])):
+        bars = ax.patches
+        assert [b.get_height() for b in bars] == pytest.approx(values)
+        spans = sorted((b.get_x(), b.get_x() + b.get_width()) for b in bars)
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))  # none overlaps
