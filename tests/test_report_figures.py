@@ -327,3 +327,8 @@ def test_merge_bars_stand_side_by_side_at_their_values(drawn, tmp_path) -> None:
         assert [b.get_height() for b in bars] == pytest.approx(values)
         spans = sorted((b.get_x(), b.get_x() + b.get_width()) for b in bars)
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))  # none overlaps
+        ticks = ax.get_xticks()
+        for f in range(2):  # a family's bars stand together, centred on its label
+            centres = [b.get_x() + b.get_width() / 2 for b in bars[f::2]]
+            assert sum(centres) / len(centres) == pytest.approx(ticks[f])
+            assert max(centres) - min(centres) < 1.0
