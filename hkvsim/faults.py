@@ -19,7 +19,8 @@ stall-transfer         the transfer stays PROC for ``duration_seconds`` (default
                        connector; the transport gives up after 10x the transfer timeout), then ERR
 disconnect-peer        the targeted rank's agent dies (at ``at_seconds``, or when the targeted
                        request posts to it): posts raise, in-flight transfers end in ERR
-kill-rank              the same in the simulator (the real backend kills the process)
+kill-rank              the same, and the rank's process dies with it: the simulator refuses every
+                       later call to the rank (no recompute there); the real backend kills it
 slow-link              transfers of the targeted rank / window move at bandwidth / ``factor``
 expire-lease-early     prefill's lease for the targeted request expires after
                        ``duration_seconds`` (default 0): prefill frees while decode reads
@@ -63,7 +64,8 @@ class FaultPlan:
         self.transfer_timeout = transfer_timeout
         self.injected: dict[str, int] = {}
 
-    def _count(self, kind: str) -> None:
+    def count(self, kind: str) -> None:
+        """One more injection of ``kind`` (reported as the counter ``fault:KIND``)."""
         self.injected[kind] = self.injected.get(kind, 0) + 1
 
     def _hits(self, i: int, *, now: float, request: int | None, agents: Sequence[str]) -> bool:
@@ -89,7 +91,7 @@ class FaultPlan:
                 continue
             if not self._hits(i, now=now, request=request, agents=(initiator, remote)):
                 continue
-            self._count(f.kind)
+            self.count(f.kind)
             if f.kind == "fail-transfer":
                 return PostFault({"setup": "fail-setup", "poll": "fail-poll"}.get(
                     f.phase or "completion", "fail"))
@@ -108,13 +110,15 @@ class FaultPlan:
                 continue
             if not self._hits(i, now=now, request=request, agents=(src, dst)):
                 continue
-            self._count(f.kind)
+            self.count(f.kind)
             return float("inf") if f.kind == "drop-notification" else (f.duration_seconds or 1.0)
         return None
 
     def peers_to_kill(self, *, now: float, request: int | None, initiator: str, remote: str
-                      ) -> list[str]:
-        """Agents that die when ``request`` posts from ``initiator`` to ``remote``."""
+                      ) -> list[tuple[str, str]]:
+        """(agent, fault kind) of each agent that dies when ``request`` posts from
+        ``initiator`` to ``remote``: ``kill-rank`` kills the rank's process with it,
+        ``disconnect-peer`` only its agent."""
         dead = []
         for i, f in enumerate(self.faults):
             if f.kind not in ("disconnect-peer", "kill-rank") or f.at_seconds is not None:
@@ -131,14 +135,16 @@ class FaultPlan:
                 continue
             if f.probability is not None and not self._rngs[i].random() < f.probability:
                 continue
-            dead.append(target)
+            dead.append((target, f.kind))
         return dead
 
-    def timed_deaths(self, agents: Sequence[str]) -> list[tuple[float, str]]:
+    def timed_deaths(self, agents: Sequence[str]) -> list[tuple[float, str, str]]:
+        """(time, agent, fault kind) of each timed death (see peers_to_kill)."""
         out = []
         for f in self.faults:
             if f.kind in ("disconnect-peer", "kill-rank") and f.at_seconds is not None:
-                out.extend((f.at_seconds, a) for a in agents if _agent_matches(a, f.engine, f.rank))
+                out.extend((f.at_seconds, a, f.kind) for a in agents
+                           if _agent_matches(a, f.engine, f.rank))
         return out
 
     def abort_phase(self, request: int) -> str | None:
@@ -147,7 +153,7 @@ class FaultPlan:
             if f.kind == "abort-request" and (f.request is None or f.request == request):
                 if f.probability is not None and not self._rngs[i].random() < f.probability:
                     continue
-                self._count(f.kind)
+                self.count(f.kind)
                 return f.phase or "mid-transfer"
         return None
 
@@ -156,7 +162,7 @@ class FaultPlan:
             if f.kind == "expire-lease-early" and (f.request is None or f.request == request):
                 if f.probability is not None and not self._rngs[i].random() < f.probability:
                     continue
-                self._count(f.kind)
+                self.count(f.kind)
                 return f.duration_seconds or 0.0
         return default
 

@@ -407,3 +407,56 @@ def test_faults_aimed_at_ranks_that_exist_are_accepted() -> None:
             '[[faults]]\nkind = "kill-rank"\nrank = 1\nat_seconds = 0.5\n')
     (scenario,) = parse_scenarios(text, source="ok.toml")
     assert [(f.engine, f.rank) for f in scenario.faults] == [("decode1", 1), (None, 1)]
+
+
+_KILLED_DECODE = """
+[scenario]
+name = "decode rank 0 dies as prefill writes request 0 (push, recompute policy)"
+seed = 3
+[model]
+preset = "tiny-deepseek"
+[prefill]
+tp = 2
+[decode]
+tp = 1
+[connector]
+mode = "push"
+lease_seconds = 0.5
+kv_load_failure_policy = "recompute"
+[workload]
+requests = 1
+prompt_tokens = [1432]
+[[faults]]
+kind = "{kind}"
+request = 0
+"""
+
+
+def test_a_killed_decode_rank_cannot_recompute_but_one_whose_agent_died_can() -> None:
+    """kill-rank kills the rank's process: the load failure stands (remote_disconnect), nothing
+    is recomputed, as on real NIXL. Its Died event reaches the coordinator behind the failed
+    WRITE's reply, so the recompute call must itself find the process gone (found by hkvsim
+    fuzz: the simulator recomputed on the dead rank and reported the request ok).
+    disconnect-peer kills only the NIXL agent: the rank's process recomputes the request."""
+    killed = _one(_KILLED_DECODE.format(kind="kill-rank"))
+    (rec,) = killed.records
+    assert (rec.status, rec.failure_class, rec.recovered_from) == (
+        "failed", "remote_disconnect", None)
+    assert killed.counters["recomputed"] == 0 and not any(killed.leaks.values())
+    # the death is counted, once, under its own kind
+    assert result_json(killed)["counters"]["fault:kill-rank"] == 1
+    disconnected = _one(_KILLED_DECODE.format(kind="disconnect-peer"))
+    (rec,) = disconnected.records
+    assert (rec.status, rec.recovered_from) == ("ok", "remote_disconnect")
+    assert rec.mismatched_words == 0 and disconnected.counters["recomputed"] == 1
+    assert result_json(disconnected)["counters"]["fault:disconnect-peer"] == 1
+
+
+def test_a_timed_kill_rank_is_counted_as_kill_rank_and_its_rank_answers_nothing() -> None:
+    text = _KILLED_DECODE.format(kind="kill-rank").replace(
+        'request = 0', 'engine = "decode0"\nrank = 0\nat_seconds = 0.0')
+    result = _one(text)
+    assert result_json(result)["counters"].get("fault:kill-rank") == 1
+    assert "fault:disconnect-peer" not in result_json(result)["counters"]
+    (rec,) = result.records
+    assert rec.status == "failed" and rec.recovered_from is None

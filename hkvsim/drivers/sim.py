@@ -199,8 +199,8 @@ class SimDriver:
     def run(self) -> RunResult:
         faults = self.world.faults
         if faults is not None:
-            for at, agent in faults.timed_deaths(list(self._agent_rank)):
-                self.env.process(self._kill_at(at, agent))
+            for at, agent, kind in faults.timed_deaths(list(self._agent_rank)):
+                self.env.process(self._kill_at(at, agent, kind))
         with fewer_collections():
             self._deliver(lambda: self.coord.start(self.env.now))
             big = len(self.coord.records) >= FREEZE_FROM_REQUESTS
@@ -211,12 +211,12 @@ class SimDriver:
             segments = self.fabric.link_segments()
         return self._result(segments)
 
-    def _kill_at(self, at: float, agent: str) -> Any:
+    def _kill_at(self, at: float, agent: str, kind: str) -> Any:
         yield self.env.timeout(at)
-        log.warning("fault: agent %s dies at t=%.6f s", agent, self.env.now)
-        self.world.kill(agent)
+        log.warning("fault: agent %s dies at t=%.6f s (%s)", agent, self.env.now, kind)
+        self.world.kill(agent, process=kind == "kill-rank")
         faults = self.world.faults
-        faults.injected["disconnect-peer"] = faults.injected.get("disconnect-peer", 0) + 1
+        faults.injected[kind] = faults.injected.get(kind, 0) + 1
 
     # ---- moving things between the coordinator and the ranks -----------------------------------
     def _deliver(self, feed: Callable[[], None]) -> None:
@@ -276,6 +276,14 @@ class SimDriver:
         return now + (end - now) ** 2 / (2 * period)
 
     def _execute(self, call: Call) -> Reply:
+        agent = f"{call.rank[0]}.{call.rank[1]}"
+        if agent in self.world.killed_processes:
+            # a killed rank process answers nothing, as on real NIXL: a call made before the
+            # coordinator has heard of the death (its Died event is queued behind the reply
+            # that reported it), e.g. a recompute on decode, must not run there
+            return Reply(call.call_id, error=RankError(
+                "remote_disconnect", f"{call.rank[0]} rank {call.rank[1]} died: its process was "
+                                     "killed"))
         if self._woken is not None:
             self._woken[call.rank] = self.env.now
         op = call.op

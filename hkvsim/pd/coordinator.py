@@ -1121,13 +1121,17 @@ class Coordinator:
             # a failed transfer may still write these blocks: recomputing now would be
             # overwritten by its late bytes, so wait until none can land any more
             yield self._activity
-        rec.recovered_from = failure[0]
-        self.counters["recomputed"] += 1
+        if any(r in decode.dead for r in range(decode.tp)):
+            return False  # one died while the writers were waited out
         if self.verify:
             layout = decode.layout
-            yield self._call_all(decode.ranks(), OracleWrite(
+            replies = yield self._call_all(decode.ranks(), OracleWrite(
                 request=rec.index, blocks=job.blocks, tokens=(0, job.load_tokens),
                 state_step=job.load_tokens if layout.is_hybrid else None))
+            if self._first_error(replies, "recompute") is not None:
+                return False  # a rank could not recompute (its process died): the failure stands
+        rec.recovered_from = failure[0]
+        self.counters["recomputed"] += 1
         job.recomputed = True
         return True
 

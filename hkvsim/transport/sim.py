@@ -143,6 +143,7 @@ class SimWorld:
         # request no longer holds (late landings).
         self.post_owner: Any = None
         self.on_death: Callable[[str], None] | None = None  # called with the agent that died
+        self.killed_processes: set[str] = set()  # agents whose rank process died with them
         self.landing_guard: Callable[..., bool] | None = None
         # peer_progress(agent, t): when ``agent`` first calls into NIXL at or after time t (the
         # driver knows its rank's loop); None: completions do not wait for the remote
@@ -170,8 +171,12 @@ class SimWorld:
             for callback in listeners:
                 callback()
 
-    def kill(self, name: str) -> None:
-        """The agent's process dies: its peers' posts raise, in-flight transfers end in ERR."""
+    def kill(self, name: str, *, process: bool = False) -> None:
+        """The agent dies: its peers' posts raise, in-flight transfers end in ERR. ``process``:
+        its rank's process dies with it (kill-rank), so the rank answers nothing more either
+        (``killed_processes``; disconnect-peer leaves the process running)."""
+        if process:
+            self.killed_processes.add(name)
         agent = self._agents.get(name)
         if agent is not None and agent.alive:
             agent.alive = False
@@ -479,9 +484,11 @@ class SimTransport:
             from ..faults import request_index
 
             request = request_index(x.notif.decode(errors="replace"))
-            for name in world.faults.peers_to_kill(now=world.env.now, request=request,
+            for name, kind in world.faults.peers_to_kill(now=world.env.now, request=request,
                                                    initiator=self.name, remote=x.remote.agent):
-                world.kill(name)
+                if world.is_alive(name):  # a death counts once, however many posts meet it
+                    world.faults.count(kind)
+                world.kill(name, process=kind == "kill-rank")
             for agent in (remote_agent, self._me):
                 if not agent.alive:
                     raise TransportError(f"{self.name}: agent {agent.name} disconnected",
