@@ -460,3 +460,34 @@ def test_a_timed_kill_rank_is_counted_as_kill_rank_and_its_rank_answers_nothing(
     assert "fault:disconnect-peer" not in result_json(result)["counters"]
     (rec,) = result.records
     assert rec.status == "failed" and rec.recovered_from is None
+
+
+def test_only_kill_rank_kills_the_process_and_a_death_is_counted_once() -> None:
+    from hkvsim.drivers.sim import SimDriver
+
+    timed = _KILLED_DECODE.replace('request = 0', 'engine = "decode0"\nrank = 0\n'
+                                                  'at_seconds = 0.0')
+    for kind, dead in (("kill-rank", {"decode0.0"}), ("disconnect-peer", set())):
+        (scenario,) = parse_scenarios(timed.format(kind=kind))
+        driver = SimDriver(scenario)
+        driver.run()
+        assert driver.world.killed_processes == dead, kind
+    # every post of every request meets the dead agent; its death is one injection
+    text = """
+[scenario]
+name = "decode0.0's agent dies at its first post"
+[model]
+preset = "tiny-llama"
+[workload]
+requests = 3
+prompt_tokens = 300
+max_inflight = 1
+[[faults]]
+kind = "disconnect-peer"
+engine = "decode0"
+rank = 0
+probability = 1.0
+"""
+    result = _one(text)
+    assert [r.failure_class for r in result.records] == ["remote_disconnect"] * 3
+    assert result_json(result)["counters"]["fault:disconnect-peer"] == 1

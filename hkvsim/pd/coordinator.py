@@ -1121,8 +1121,6 @@ class Coordinator:
             # a failed transfer may still write these blocks: recomputing now would be
             # overwritten by its late bytes, so wait until none can land any more
             yield self._activity
-        if any(r in decode.dead for r in range(decode.tp)):
-            return False  # one died while the writers were waited out
         if self.verify:
             layout = decode.layout
             replies = yield self._call_all(decode.ranks(), OracleWrite(
