@@ -472,12 +472,15 @@ def test_only_kill_rank_kills_the_process_and_a_death_is_counted_once() -> None:
         driver = SimDriver(scenario)
         driver.run()
         assert driver.world.killed_processes == dead, kind
-    # every post of every request meets the dead agent; its death is one injection
+    # decode0.0 posts a READ to each of two prefill ranks: the second meets the agent the
+    # first killed, and its death is still one injection
     text = """
 [scenario]
 name = "decode0.0's agent dies at its first post"
 [model]
 preset = "tiny-llama"
+[prefill]
+tp = 2
 [workload]
 requests = 3
 prompt_tokens = 300
