@@ -472,14 +472,14 @@ def test_only_kill_rank_kills_the_process_and_a_death_is_counted_once() -> None:
         driver = SimDriver(scenario)
         driver.run()
         assert driver.world.killed_processes == dead, kind
-    # decode0.0 posts a READ to each of two prefill ranks: the second meets the agent the
-    # first killed, and its death is still one injection
+    # both decode ranks read prefill0.0 at the same instant: the second READ meets the agent
+    # the first one's post killed, and its death is still one injection
     text = """
 [scenario]
-name = "decode0.0's agent dies at its first post"
+name = "prefill0.0's agent dies at the first post to it"
 [model]
 preset = "tiny-llama"
-[prefill]
+[decode]
 tp = 2
 [workload]
 requests = 3
@@ -487,7 +487,7 @@ prompt_tokens = 300
 max_inflight = 1
 [[faults]]
 kind = "disconnect-peer"
-engine = "decode0"
+engine = "prefill0"
 rank = 0
 probability = 1.0
 """
