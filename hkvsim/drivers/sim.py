@@ -214,9 +214,7 @@ class SimDriver:
     def _kill_at(self, at: float, agent: str, kind: str) -> Any:
         yield self.env.timeout(at)
         log.warning("fault: agent %s dies at t=%.6f s (%s)", agent, self.env.now, kind)
-        self.world.kill(agent, process=kind == "kill-rank")
-        faults = self.world.faults
-        faults.injected[kind] = faults.injected.get(kind, 0) + 1
+        self.world.kill(agent, fault=kind)
 
     # ---- moving things between the coordinator and the ranks -----------------------------------
     def _deliver(self, feed: Callable[[], None]) -> None:

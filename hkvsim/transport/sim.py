@@ -171,14 +171,17 @@ class SimWorld:
             for callback in listeners:
                 callback()
 
-    def kill(self, name: str, *, process: bool = False) -> None:
-        """The agent dies: its peers' posts raise, in-flight transfers end in ERR. ``process``:
-        its rank's process dies with it (kill-rank), so the rank answers nothing more either
-        (``killed_processes``; disconnect-peer leaves the process running)."""
-        if process:
+    def kill(self, name: str, *, fault: str | None = None) -> None:
+        """The agent dies: its peers' posts raise, in-flight transfers end in ERR. ``fault``:
+        the fault kind that killed it, counted once (when the agent was alive); ``kill-rank``
+        kills its rank's process too, so the rank answers nothing more either
+        (``killed_processes``; ``disconnect-peer`` leaves the process running)."""
+        if fault == "kill-rank":
             self.killed_processes.add(name)
         agent = self._agents.get(name)
         if agent is not None and agent.alive:
+            if fault is not None and self.faults is not None:
+                self.faults.count(fault)
             agent.alive = False
             if self.on_death is not None:
                 self.on_death(name)
@@ -486,9 +489,7 @@ class SimTransport:
             request = request_index(x.notif.decode(errors="replace"))
             for name, kind in world.faults.peers_to_kill(now=world.env.now, request=request,
                                                    initiator=self.name, remote=x.remote.agent):
-                if world.is_alive(name):  # a death counts once, however many posts meet it
-                    world.faults.count(kind)
-                world.kill(name, process=kind == "kill-rank")
+                world.kill(name, fault=kind)
             for agent in (remote_agent, self._me):
                 if not agent.alive:
                     raise TransportError(f"{self.name}: agent {agent.name} disconnected",
