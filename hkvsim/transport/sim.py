@@ -488,7 +488,8 @@ class SimTransport:
 
             request = request_index(x.notif.decode(errors="replace"))
             for name, kind in world.faults.peers_to_kill(now=world.env.now, request=request,
-                                                   initiator=self.name, remote=x.remote.agent):
+                                                         initiator=self.name,
+                                                         remote=x.remote.agent):
                 world.kill(name, fault=kind)
             for agent in (remote_agent, self._me):
                 if not agent.alive:
