@@ -46,6 +46,11 @@ def _emit_json(data: Any) -> None:
     sys.stdout.write("\n")
 
 
+def _fail_input(message: str) -> int:
+    print(f"hkvsim: error: {message}", file=sys.stderr)
+    return EXIT_INPUT
+
+
 def _console() -> Any:
     from rich.console import Console
 
@@ -381,8 +386,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         if args.debug:
             raise
-        print(f"hkvsim: error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+        return _fail_input(str(exc))
     print(f"wrote {out / 'report.md'} (figures, report.json and trace.json beside it"
           + (", requests.csv" if args.csv else "") + ")")
     variants = report["variants"]
@@ -505,11 +509,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
         where = "" if args.backend == "sim" else f" (backend {args.backend})"
         print(f"{len(diffs)} difference(s) in {len(variants)} variant(s){where}")
     return EXIT_OK if not diffs else EXIT_EXPECTATION
-
-
-def _fail_input(message: str) -> int:
-    print(f"hkvsim: error: {message}", file=sys.stderr)
-    return EXIT_INPUT
 
 
 # hkvsim.fuzz.FUZZ_PRESETS, spelled here so that building the parser imports nothing heavy
@@ -838,8 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _input_errors() as exc:
         if args.debug:
             raise
-        print(f"hkvsim: error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+        return _fail_input(str(exc))
     except BrokenPipeError:
         return EXIT_OK
 

@@ -254,8 +254,7 @@ def check_run(result: Any, *, faulty: bool, implementation: str, where: str) -> 
     if result.corrupted:
         add("corruption", "reported successful with wrong bytes",
             "reported successful with wrong bytes: "
-            + _indices(records, lambda r: r.status == "ok" and (
-                r.mismatched_words > 0 or bool(r.overwritten_by))))
+            + _indices(records, lambda r: r.corrupted))
     if result.late_landings or result.stray_writes:
         add("corruption", "bytes landed in blocks the request did not own",
             f"{result.late_landings} late landing(s), {result.stray_writes} stray write(s) "
@@ -352,14 +351,13 @@ def run_case(case: FuzzCase, options: FuzzOptions, *, run: Callable[[Any], Any] 
     except ScenarioError as exc:
         case.status, case.reason = "refused-input", str(exc)
         return
-    if run is _run:  # the memory guard of `hkvsim run`: a drawn run that cannot fit is skipped
-        from .memory_estimate import MemoryGuardError, check_fits
+    from .memory_estimate import MemoryGuardError, check_fits
 
-        try:
-            check_fits(scenario, timing_only=False)
-        except MemoryGuardError as exc:
-            case.status, case.reason = "refused-input", str(exc)
-            return
+    try:  # the memory guard of `hkvsim run`: a drawn run that cannot fit is refused, not run
+        check_fits(scenario, timing_only=False)
+    except MemoryGuardError as exc:
+        case.status, case.reason = "refused-input", str(exc)
+        return
     names = ("hkvsim", "vllm") if options.implementation == "both" else (options.implementation,)
     results: dict[str, Any] = {}
     for name in names:

@@ -110,9 +110,7 @@ def test_a_replayed_bug_is_found_grouped_and_written_to_reproduce(tmp_path) -> N
 
 
 def _result(**kw):
-    records = kw.pop("records", [SimpleNamespace(index=0, status="ok", mismatched_words=0,
-                                                 overwritten_by=[], failure_class=None,
-                                                 reason=None, freed_by_lease=False)])
+    records = kw.pop("records", [_rec(0)])
     base = dict(records=records, corrupted=0, late_landings=0, stray_writes=0, hung=0,
                 leaks={"prefill_blocks": 0}, handshake_errors=[], outcome="ok")
     base.update(kw)
@@ -120,8 +118,11 @@ def _result(**kw):
 
 
 def _rec(i, status="ok", words=0, cls=None, lease=False):
-    return SimpleNamespace(index=i, status=status, mismatched_words=words, overwritten_by=[],
-                           failure_class=cls, reason="why" if cls else None, freed_by_lease=lease)
+    from hkvsim.pd.records import RequestRecord
+
+    return RequestRecord(index=i, request_id=f"req-{i}", prompt_tokens=100,
+                         prefix_hit_tokens=0, arrival=0.0, status=status, mismatched_words=words,
+                         failure_class=cls, reason="why" if cls else None, freed_by_lease=lease)
 
 
 @pytest.mark.parametrize("faulty", [False, True])

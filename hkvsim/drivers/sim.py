@@ -274,8 +274,8 @@ class SimDriver:
         return now + (end - now) ** 2 / (2 * period)
 
     def _execute(self, call: Call) -> Reply:
-        agent = f"{call.rank[0]}.{call.rank[1]}"
-        if agent in self.world.killed_processes:
+        killed = self.world.killed_processes  # empty but in kill-rank runs: no name built
+        if killed and f"{call.rank[0]}.{call.rank[1]}" in killed:
             # a killed rank process answers nothing, as on real NIXL: a call made before the
             # coordinator has heard of the death (its Died event is queued behind the reply
             # that reported it), e.g. a recompute on decode, must not run there

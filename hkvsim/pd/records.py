@@ -64,6 +64,12 @@ class RequestRecord:
     # one entry per transfer ("path": a tuple of link names)
     telemetry: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def corrupted(self) -> bool:
+        """Reported successful with wrong bytes: the oracle found them wrong, or a late
+        transfer overwrote them after they were verified."""
+        return self.status == "ok" and (self.mismatched_words > 0 or bool(self.overwritten_by))
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -112,7 +118,7 @@ class RunResult:
     def corrupted(self) -> int:
         """Requests the connector reported successful whose bytes are wrong (the oracle found
         them wrong, or a late transfer overwrote them after they were verified)."""
-        return sum(r.status == "ok" and (r.mismatched_words > 0 or bool(r.overwritten_by))
+        return sum(r.corrupted
                    for r in self.records)
 
     @property
