@@ -141,6 +141,14 @@ def test_checks_flag_corruption_hangs_and_leaks_whatever_the_faults(faulty) -> N
                    outcome="corruption")
     (f,) = check_run(many, faulty=faulty, implementation="hkvsim", where="x")
     assert f.detail.endswith("11 request(s): 0, 1, 2, 3, 4, 5, 6, 7 (and 3 more)"), f.detail
+    # only a request reported successful counts: a failed one with wrong words is not listed
+    mixed = _result(records=[_rec(0, status="failed", words=5, cls="stall"), _rec(1, words=2),
+                             _rec(2)], corrupted=1, outcome="corruption")
+    (f,) = check_run(mixed, faulty=True, implementation="hkvsim", where="x")
+    assert f.detail.endswith("1 request(s): 1"), f.detail
+    late = _rec(3)
+    late.overwritten_by.append(0)  # verified right, then overwritten by a late transfer
+    assert late.corrupted and not _rec(4).corrupted
     eight = _result(records=[_rec(i, words=1) for i in range(8)], corrupted=8,
                     outcome="corruption")
     (f,) = check_run(eight, faulty=faulty, implementation="hkvsim", where="x")
