@@ -452,6 +452,31 @@ def test_a_killed_decode_rank_cannot_recompute_but_one_whose_agent_died_can() ->
     assert result_json(disconnected)["counters"]["fault:disconnect-peer"] == 1
 
 
+def test_a_decode_rank_whose_agent_died_recomputes_whenever_the_coordinator_heard_of_it(
+) -> None:
+    """Only the rank's NIXL agent dies: its process still computes, so the recompute policy
+    recovers the request whether the death reached the coordinator after the failed transfer
+    (above) or before the request started (here, a death at 0 s that fails decode's
+    handshake; pull and push). Found by
+    hkvsim fuzz against vLLM (seed 30, scenario 81): whether a disconnected decode recomputed
+    depended on which of the failed WRITE's reply and the death's report came first. A killed
+    process never recomputes, whatever the order."""
+    for mode in ("pull", "push"):
+        for kind, status in (("disconnect-peer", "ok"), ("kill-rank", "failed")):
+            text = _KILLED_DECODE.format(kind=kind).replace(
+                'request = 0', 'engine = "decode0"\nrank = 0\nat_seconds = 0.0').replace(
+                'mode = "push"', f'mode = "{mode}"')
+            for verify in (True, False):  # timing-only: no recompute call to find it gone
+                run_text = text if verify else text.replace(
+                    "requests = 1\n", "requests = 1\nverify = false\n")
+                result = _one(run_text)
+                (rec,) = result.records
+                assert (rec.status, rec.failure_class if status == "failed"
+                        else rec.recovered_from) == (status, "handshake_failed"), (mode, kind)
+                assert rec.mismatched_words == 0, (mode, kind)
+                assert result.counters["recomputed"] == (status == "ok"), (mode, kind, verify)
+
+
 def test_a_timed_kill_rank_is_counted_as_kill_rank_and_its_rank_answers_nothing() -> None:
     text = _KILLED_DECODE.format(kind="kill-rank").replace(
         'request = 0', 'engine = "decode0"\nrank = 0\nat_seconds = 0.0')

@@ -338,8 +338,11 @@ class SimDriver:
 
     def _on_death(self, agent: str) -> None:
         rank = self._agent_rank[agent]
-        reason = f"{rank[0]} rank {rank[1]} died: agent {agent} disconnected"
-        self._deliver(lambda: self.coord.on_events([Died(rank, reason)], self.env.now))
+        process = agent in self.world.killed_processes
+        reason = (f"{rank[0]} rank {rank[1]} died: its process was killed" if process
+                  else f"{rank[0]} rank {rank[1]} died: agent {agent} disconnected")
+        self._deliver(lambda: self.coord.on_events([Died(rank, reason, process=process)],
+                                                   self.env.now))
 
     def _arm_timer(self) -> None:
         made = self.coord.timers_made()

@@ -119,7 +119,9 @@ class _Engine:
     last_used: dict[str, float] = field(default_factory=dict)
     loading: dict[str, tuple[str, str]] = field(default_factory=dict)  # d rid -> p engine, p rid
     heartbeat: bool = False
-    dead: dict[int, str] = field(default_factory=dict)  # rank -> why
+    dead: dict[int, str] = field(default_factory=dict)  # rank -> why (agent or process)
+    # ranks whose process died, not only their agent: they compute nothing any more
+    processes_dead: set[int] = field(default_factory=set)
 
     @property
     def engine_id(self) -> str:
@@ -307,7 +309,7 @@ class Coordinator:
             elif isinstance(event, Released):
                 self._on_released(event.rank, event.request_id)
             elif isinstance(event, Died):
-                self._on_died(event.rank, event.reason)
+                self._on_died(event.rank, event.reason, process=event.process)
             else:  # pragma: no cover - a driver bug
                 raise TypeError(f"unknown rank event {event!r}")
         self._signal_activity()
@@ -1012,9 +1014,11 @@ class Coordinator:
         self._set_live(rank[0], request_id, rank[1], 0)
         self._check_quarantine()
 
-    def _on_died(self, rank: RankId, reason: str) -> None:
+    def _on_died(self, rank: RankId, reason: str, *, process: bool) -> None:
         engine = self._by_id[rank[0]]
         engine.dead.setdefault(rank[1], reason)
+        if process:
+            engine.processes_dead.add(rank[1])
         for req in self._requests:  # requests moving bytes with it fail now, naming the death
             if req.interrupt is not None and rank[0] in req.engines:
                 req.interrupt.succeed(reason)
@@ -1114,8 +1118,10 @@ class Coordinator:
         rec = req.rec
         if self.scenario.connector.kv_load_failure_policy != "recompute":
             return False
-        if any(r in decode.dead for r in range(decode.tp)):
-            return False  # a dead decode rank cannot recompute anything
+        if decode.processes_dead:
+            # a decode rank whose process died computes nothing; one that lost only its NIXL
+            # agent still recomputes (whenever its death reached the coordinator)
+            return False
         req.enter(Phase.RECOVERING)
         while self._writers_live(rec, decode, prefill, p_rid):
             # a failed transfer may still write these blocks: recomputing now would be

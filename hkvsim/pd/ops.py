@@ -426,10 +426,13 @@ class Released:
 @dataclass(frozen=True)
 class Died:
     """The rank is gone (its process exited, or its agent disconnected). ``reason`` is a whole
-    sentence naming the rank and how it died; requests that fail because of it quote it."""
+    sentence naming the rank and how it died; requests that fail because of it quote it.
+    ``process``: the rank's process died with it (False: only its NIXL agent did, and the rank
+    can still compute, e.g. recompute a request whose load failed)."""
 
     rank: RankId
     reason: str
+    process: bool = True
 
 
 RankEvent = Union[Outcome, Message, Released, Died]
