@@ -36,6 +36,7 @@ finding's scenario is written as ``finding-NNNN.toml`` with the command that rep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import signal
@@ -117,10 +118,15 @@ class Finding:
     implementation: str  # hkvsim | vllm | both (a diff)
     detail: str
     signature: str  # what groups findings: the kind, its gist, the model and the mode
+    fields: tuple[str, ...] = ()  # a diff: the fields that differ
+    outcomes: tuple[str, str] | None = None  # a diff: (hkvsim's, vLLM's) run outcome
+    known: str | None = None  # the documented vLLM finding that explains it (fuzz_known)
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "implementation": self.implementation,
-                "detail": self.detail, "signature": self.signature}
+                "detail": self.detail, "signature": self.signature, "known": self.known} | (
+                    {"fields": list(self.fields), "outcomes": list(self.outcomes)}
+                    if self.outcomes is not None else {})
 
 
 @dataclass
@@ -400,11 +406,20 @@ def run_case(case: FuzzCase, options: FuzzOptions, *, run: Callable[[Any], Any] 
         diffs = compare_results(scenario.scenario.name, results["hkvsim"], results["vllm"])
         if diffs:
             fields = sorted({d.field for d in diffs})
-            outcomes = f"hkvsim {results['hkvsim'].outcome}, vllm {results['vllm'].outcome}"
+            pair = (results["hkvsim"].outcome, results["vllm"].outcome)
+            outcomes = f"hkvsim {pair[0]}, vllm {pair[1]}"
             case.findings.append(Finding(
                 "diff", "both", "; ".join(str(d) for d in diffs[:6])
                 + (f" (and {len(diffs) - 6} more)" if len(diffs) > 6 else ""),
-                f"both: diff: {', '.join(fields)} ({outcomes}) | {where}"))
+                f"both: diff: {', '.join(fields)} ({outcomes}) | {where}",
+                fields=tuple(fields), outcomes=pair))
+    if case.findings and options.implementation != "hkvsim":
+        from .fuzz_known import explain, facts
+
+        deployment = facts(scenario)
+        version = vllm_version[0] if vllm_version else None
+        case.findings = [dataclasses.replace(f, known=explain(f, deployment, version))
+                         for f in case.findings]
     case.status = "checked"
     case.seconds = time.perf_counter() - t0
 
@@ -421,13 +436,23 @@ class FuzzReport:
     def findings(self) -> list[tuple[FuzzCase, Finding]]:
         return [(c, f) for c in self.cases for f in c.findings]
 
+    @property
+    def new_findings(self) -> list[tuple[FuzzCase, Finding]]:
+        """The findings no documented vLLM finding explains (all of hkvsim's own)."""
+        return [(c, f) for c, f in self.findings if f.known is None]
+
     def groups(self) -> list[dict[str, Any]]:
+        """Findings by signature; ``known``: the documented findings that explain the group's
+        findings (``null`` among them for a finding none explains)."""
         by: dict[str, list[int]] = {}
+        known: dict[str, set[str | None]] = {}
         for case, finding in self.findings:
             ids = by.setdefault(finding.signature, [])
+            known.setdefault(finding.signature, set()).add(finding.known)
             if case.index not in ids:
                 ids.append(case.index)
-        return [{"signature": sig, "scenarios": len(ids), "example": ids[0], "indices": ids}
+        return [{"signature": sig, "scenarios": len(ids), "example": ids[0], "indices": ids,
+                 "known": sorted(known[sig], key=lambda k: (k is None, k or ""))}
                 for sig, ids in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
 
     def as_dict(self) -> dict[str, Any]:
@@ -447,7 +472,9 @@ class FuzzReport:
                              for name in ("hkvsim", "vllm")
                              if any(name in c.outcomes for c in self.cases)},
                 "findings": len(self.findings),
+                "new_findings": len(self.new_findings),
                 "scenarios_with_findings": sum(bool(c.findings) for c in self.cases),
+                "scenarios_with_new_findings": len({c.index for c, _ in self.new_findings}),
                 "groups": self.groups(),
                 "cases": [c.as_dict() for c in self.cases]}
 
@@ -469,6 +496,8 @@ def finding_file(case: FuzzCase, options: FuzzOptions, version: str | None, name
             + (f", quirk {options.quirk}" if options.quirk else "") + ")"]
     for f in case.findings:
         head.append(f"# found ({f.implementation}): {f.kind}: {f.detail}"[:400])
+        if f.known is not None:
+            head.append(f"#   known: {f.known}")
     head.append(f"# reproduce: {reproduce_command(options, name, version)}")
     return "\n".join(head) + "\n" + case.text
 

@@ -129,3 +129,18 @@ def test_fuzz_runs_both_connectors_and_reproduces_its_findings(vllm_required, tm
     assert report.vllm_version == vllm_required
     data = json.loads((tmp_path / "fuzz.json").read_text())
     assert data["vllm_version"] == vllm_required and data["implementation"] == "both"
+
+
+def test_fuzz_labels_a_documented_vllm_finding_by_name(vllm_required) -> None:
+    """Scenario 20 of seed 10 (tiny-deepseek pull, decode blocks larger than prefill's) run
+    against the real release: vLLM's corruption and the difference are the documented MLA
+    block-size-ratio finding, and nothing in it is new."""
+    from hkvsim.fuzz import FuzzCase, FuzzOptions, generate, run_case
+
+    options = FuzzOptions(seed=10, count=150, implementation="both")
+    text, preset, mode, faulty = generate(10, 20, options)
+    case = FuzzCase(index=20, text=text, preset=preset, mode=mode, faulty=faulty)
+    run_case(case, options, vllm_version=[])
+    assert case.outcomes == {"hkvsim": "ok", "vllm": "corruption"}
+    assert sorted(f.kind for f in case.findings) == ["corruption", "diff"]
+    assert {f.known for f in case.findings} == {"mla-block-size-ratio-last-block"}

@@ -1,0 +1,241 @@
+"""Which documented vLLM findings explain a fuzz finding (``hkvsim fuzz`` against vLLM).
+
+Most of what ``hkvsim fuzz --implementation vllm|both`` finds is already known: a documented
+vLLM bug, a refusal of a release, a harness limit or a design difference (docs/vllm.md,
+"Differences found", and reports/fuzz/README.md). This module names the one that explains a
+finding, so a run can say how many of its findings are new.
+
+An entry explains a finding only when both of these hold:
+
+- **The deployment is the documented one.** Mode, model family, TP pair, block sizes, prefix
+  hits, faults, and the releases the finding was seen in (:class:`Facts`).
+- **The finding has the shape that bug leaves.** That is its kind (a corruption reported as
+  success, an ``after_shutdown`` leak, a failure without faults that names the assert's
+  location), and for a difference from hkvsim's core, the fields that differ and vLLM's outcome.
+
+Nothing here decides what a run reports: every finding is still listed, with its
+explanation. ``--allow-known`` only lets a run whose findings are all explained exit 0.
+
+The limit: a new bug in the same deployment that leaves the same shape would be taken for the
+known one. So an entry names its deployment as narrowly as the documentation allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["Facts", "KnownFinding", "KNOWN", "facts", "explain"]
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a documented finding's deployment is made of, read from a parsed scenario."""
+
+    mode: str  # pull | push
+    is_mla: bool
+    is_hybrid: bool
+    kv_heads: int | None  # GQA KV heads (None for MLA)
+    prefill_tp: int
+    decode_tp: int
+    prefill_block: int  # tokens per kernel block as configured (the backend's smallest if unset)
+    decode_block: int
+    decode_prefix_hits: bool  # decode has prefix caching on and some request asks for a hit
+    faults: frozenset[tuple[str, str | None]]  # (kind, phase)
+
+    @property
+    def block_size_ratio(self) -> bool:
+        return self.prefill_block != self.decode_block
+
+    @property
+    def decode_blocks_larger(self) -> bool:
+        return self.decode_block > self.prefill_block
+
+    def has_fault(self, kind: str, *phases: str | None) -> bool:
+        return any(k == kind and (not phases or p in phases) for k, p in self.faults)
+
+
+def facts(scenario: Any) -> Facts:
+    from .pd.deployment import engine_model
+
+    model = scenario.model_spec()
+
+    def block(section: Any) -> int:
+        return int(section.block_size
+                   or engine_model(model, section).attention.attention_backend.min_kernel_block)
+
+    hits = scenario.workload.prefix_hit_tokens
+    return Facts(
+        mode=scenario.connector.mode, is_mla=model.attention.is_mla, is_hybrid=model.is_hybrid,
+        kv_heads=None if model.attention.is_mla else model.attention.num_kv_heads,
+        prefill_tp=scenario.prefill.tp, decode_tp=scenario.decode.tp,
+        prefill_block=block(scenario.prefill), decode_block=block(scenario.decode),
+        decode_prefix_hits=bool(scenario.decode.prefix_caching and hits and any(hits)),
+        faults=frozenset((f.kind, f.phase) for f in scenario.faults))
+
+
+# the shapes a finding can take (Finding.kind, plus its gist where the kind is not enough)
+CORRUPTION = "corruption"  # reported successful with wrong bytes (not a stray write)
+LEAK_AGENTS = "leak:after_shutdown"  # remote agents left behind at shutdown
+REFUSED = "not-ok:handshake"  # a handshake refused without faults
+FAILED = "not-ok:failure"  # requests failed without faults, the detail naming `mentions`
+DIFF = "diff"
+
+_ACCOUNTING = frozenset({"descriptors", "nbytes", "per_rank", "sources", "transfers"})
+_DAMAGE = frozenset({"outcome", "byte_exact", "wrong_regions"})
+_FAILURE = frozenset({"status", "failure_class"})
+_REFUSAL = _DAMAGE | _ACCOUNTING | _FAILURE | {"handshake"}
+
+
+@dataclass(frozen=True)
+class KnownFinding:
+    name: str
+    where: str  # where it is documented
+    releases: frozenset[str] | None  # the vLLM releases it was seen in (None: every one)
+    applies: Callable[[Facts], bool]
+    shapes: frozenset[str]
+    diff_fields: frozenset[str] = frozenset()  # fields a difference may show, no others
+    vllm_outcomes: frozenset[str] | None = None  # vLLM's run outcome in a difference
+    mentions: str | None = None  # FAILED: text the failure's detail must contain
+    with_faults: frozenset[str] = frozenset()  # more fields a difference may show under faults
+
+
+def _any(*outcomes: str) -> frozenset[str]:
+    return frozenset(outcomes)
+
+
+KNOWN: tuple[KnownFinding, ...] = (
+    KnownFinding(
+        "mla-block-size-ratio-last-block",
+        "docs/vllm.md: MLA with a block size ratio damages the last decode block",
+        frozenset({"0.26.0", "0.33.0"}),
+        lambda f: f.mode == "pull" and f.is_mla and not f.is_hybrid and f.decode_blocks_larger,
+        frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
+        with_faults=_FAILURE),
+    KnownFinding(
+        "block-size-ratio-tail-stale",
+        "docs/vllm.md: 0.26.0 leaves the untransferred tail of a decode block stale",
+        frozenset({"0.26.0"}),
+        lambda f: f.mode == "pull" and not f.is_hybrid and f.decode_blocks_larger,
+        frozenset({CORRUPTION, DIFF}), _DAMAGE, with_faults=_FAILURE | _ACCOUNTING),
+    KnownFinding(
+        "block-size-ratio-prefix-hit-shift",
+        "docs/vllm.md: a decode prefix-cache hit with a block size ratio shifts the request",
+        frozenset({"0.26.0", "0.33.0"}),
+        lambda f: (f.mode == "pull" and not f.is_hybrid and f.decode_blocks_larger
+                   and f.decode_prefix_hits),
+        frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
+        with_faults=_FAILURE),
+    KnownFinding(
+        "gqa-push-replicated-decode-heads",
+        "docs/vllm.md: GQA push to a decode TP larger than the KV-head count corrupts silently",
+        None,
+        lambda f: (f.mode == "push" and f.kv_heads is not None and f.decode_tp > f.kv_heads
+                   and f.prefill_tp < f.decode_tp),
+        frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
+        with_faults=_FAILURE),
+    KnownFinding(
+        "push-block-size-ratio-refused",
+        "docs/vllm.md: push with a block size ratio is refused at prefill's reverse handshake",
+        frozenset({"0.26.0", "0.33.0"}),
+        lambda f: f.mode == "push" and f.block_size_ratio,
+        frozenset({LEAK_AGENTS, REFUSED, DIFF}), _REFUSAL,
+        vllm_outcomes=_any("handshake-error")),
+    KnownFinding(
+        "hybrid-pull-block-size-ratio-refused",
+        "docs/vllm.md: 0.26.0 refuses a hybrid pull with a block size ratio (base_worker.py:1716)",
+        frozenset({"0.26.0"}),
+        lambda f: f.mode == "pull" and f.is_hybrid and f.block_size_ratio,
+        frozenset({LEAK_AGENTS, REFUSED, DIFF}), _REFUSAL,
+        vllm_outcomes=_any("handshake-error")),
+    KnownFinding(
+        "hybrid-failed-read-reported-loaded",
+        "docs/vllm.md: a READ that fails on a hybrid model is reported as loaded",
+        frozenset({"0.26.0", "0.33.0"}),
+        lambda f: (f.mode == "pull" and f.is_hybrid
+                   and (f.has_fault("fail-transfer") or f.has_fault("stall-transfer"))),
+        frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING | _FAILURE),
+    KnownFinding(
+        "pr49762-hybrid-mla-pull-assert",
+        "docs/vllm.md: the #49762 scenarios (0.26.0 asserts at pull_worker.py:167)",
+        frozenset({"0.26.0"}),
+        lambda f: (f.mode == "pull" and f.is_hybrid and f.is_mla
+                   and f.prefill_tp > f.decode_tp),
+        frozenset({FAILED, DIFF}), _DAMAGE | _ACCOUNTING | _FAILURE,
+        vllm_outcomes=_any("request-failure"), mentions="pull_worker.py:167"),
+    KnownFinding(
+        "pr49762-hybrid-mla-push-assert",
+        "docs/vllm.md: the #49762 scenarios (0.26.0 asserts at push_worker.py:518)",
+        frozenset({"0.26.0"}),
+        lambda f: (f.mode == "push" and f.is_hybrid and f.is_mla
+                   and f.prefill_tp < f.decode_tp),
+        frozenset({FAILED, DIFF}), _DAMAGE | _ACCOUNTING | _FAILURE,
+        vllm_outcomes=_any("request-failure"), mentions="push_worker.py:518"),
+    KnownFinding(
+        "push-partial-prefix-hit-0.26",
+        "docs/vllm.md: push after a partial decode prefix-cache hit corrupts in 0.26.0 and 0.27.0",
+        frozenset({"0.26.0", "0.27.0"}),
+        lambda f: f.mode == "push" and f.decode_prefix_hits,
+        frozenset({CORRUPTION, DIFF}), _DAMAGE, with_faults=_FAILURE | _ACCOUNTING),
+    KnownFinding(
+        "harness-push-early-abort-not-driven",
+        "docs/vllm.md: not driven yet: push with decode aborting before scheduling or during "
+        "the handshake (a harness limit)",
+        None,
+        lambda f: (f.mode == "push"
+                   and f.has_fault("abort-request", "before-scheduling", "during-handshake")),
+        frozenset({DIFF}), frozenset({"outcome"}), vllm_outcomes=_any("lease-expired")),
+    KnownFinding(
+        "design-push-registration-dropped",
+        "reports/fuzz/README.md: hkvsim's coordinator drops a push registration of a request "
+        "decode gave up on; vLLM's prefill writes it (a design difference, no corruption)",
+        None,
+        lambda f: (f.mode == "push" and f.prefill_tp > 1
+                   and any(f.has_fault(k) for k in ("fail-transfer", "stall-transfer",
+                                                     "disconnect-peer", "kill-rank"))),
+        frozenset({DIFF}), _ACCOUNTING),
+)
+
+
+def _shape(finding: Any) -> str | None:
+    if finding.kind == "corruption":
+        return CORRUPTION if "wrong bytes" in finding.signature else None
+    if finding.kind == "leak":
+        return LEAK_AGENTS if finding.signature.split(" | ")[0].endswith(
+            "leak: after_shutdown") else None
+    if finding.kind == "not-ok":
+        return REFUSED if "handshake refused" in finding.signature else FAILED
+    if finding.kind == "diff":
+        return DIFF
+    return None  # hangs, crashes, timeouts, stray writes, nondeterminism: never known
+
+
+def explain(finding: Any, f: Facts, version: str | None) -> str | None:
+    """The name of the documented finding that explains ``finding`` (a fuzz Finding of vLLM's
+    run or of a difference) in deployment ``f`` under vLLM ``version``, or None: new. Where
+    two entries fit, the first in :data:`KNOWN` wins (the narrower shape comes first)."""
+    if finding.implementation == "hkvsim":
+        return None  # hkvsim's own findings are never excused
+    shape = _shape(finding)
+    if shape is None:
+        return None
+    faulty = bool(f.faults)
+    for known in KNOWN:
+        if known.releases is not None and version not in known.releases:
+            continue
+        if shape not in known.shapes or not known.applies(f):
+            continue
+        if shape == FAILED and (known.mentions is None or known.mentions not in finding.detail):
+            continue
+        if shape == DIFF:
+            allowed = known.diff_fields | (known.with_faults if faulty else frozenset())
+            if not set(finding.fields) <= allowed:
+                continue
+            if known.vllm_outcomes is not None and (
+                    finding.outcomes is None or finding.outcomes[1] not in known.vllm_outcomes):
+                continue
+            if known.name == "design-push-registration-dropped" and (
+                    finding.outcomes is None or finding.outcomes[0] != finding.outcomes[1]):
+                continue
+        return known.name
+    return None

@@ -1,0 +1,169 @@
+"""hkvsim fuzz against vLLM names the documented finding that explains each of its findings, and
+only that one: the deployment must be the documented one, the release one it was seen in, and the
+finding the shape that bug leaves; hkvsim's own findings and hangs, crashes, stray writes are
+never explained. The committed vLLM fuzz reports are re-explained from their regenerated files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from hkvsim import cli
+from hkvsim.fuzz import Finding, FuzzOptions, generate
+from hkvsim.fuzz_known import KNOWN, Facts, explain, facts
+from hkvsim.scenario import parse_scenarios
+
+REPORTS = Path(__file__).resolve().parent.parent / "reports" / "fuzz"
+VLLM_REPORTS = ("vllm-0.33.0", "vllm-0.26.0", "vllm-0.33.0-faults", "vllm-0.33.0-seed11")
+
+
+def _facts(**kw) -> Facts:
+    base = dict(mode="pull", is_mla=False, is_hybrid=False, kv_heads=8, prefill_tp=1,
+                decode_tp=1, prefill_block=16, decode_block=16, decode_prefix_hits=False,
+                faults=frozenset())
+    return Facts(**(base | kw))
+
+
+def _corrupt(impl: str = "vllm") -> Finding:
+    return Finding("corruption", impl, "reported successful with wrong bytes: 1 request(s): 0",
+                   f"{impl}: corruption: reported successful with wrong bytes | m pull")
+
+
+def _diff(fields: tuple[str, ...], outcomes=("ok", "corruption")) -> Finding:
+    return Finding("diff", "both", "...", f"both: diff: {', '.join(fields)} | m pull",
+                   fields=fields, outcomes=outcomes)
+
+
+MLA_BSR = _facts(is_mla=True, kv_heads=None, decode_block=32)
+
+
+def test_a_documented_deployment_and_shape_is_explained_by_name() -> None:
+    assert explain(_corrupt(), MLA_BSR, "0.33.0") == "mla-block-size-ratio-last-block"
+    damage = _diff(("byte_exact", "outcome", "wrong_regions"))
+    assert explain(damage, MLA_BSR, "0.33.0") == "mla-block-size-ratio-last-block"
+    # GQA push above the KV heads (tiny-qwen3-next, 2 heads, P TP2 -> D TP4)
+    push = _facts(mode="push", kv_heads=2, prefill_tp=2, decode_tp=4)
+    assert explain(_corrupt(), push, "0.33.0") == "gqa-push-replicated-decode-heads"
+    # at homogeneous TP 4 vLLM writes every replica itself: a corruption there is new
+    assert explain(_corrupt(), dataclasses.replace(push, prefill_tp=4), "0.33.0") is None
+
+
+def test_anything_else_is_new() -> None:
+    # another deployment: equal blocks, push, decode blocks smaller, a hybrid
+    for other in (_facts(is_mla=True, kv_heads=None), dataclasses.replace(MLA_BSR, mode="push"),
+                  dataclasses.replace(MLA_BSR, prefill_block=64),
+                  dataclasses.replace(MLA_BSR, is_hybrid=True)):
+        assert explain(_corrupt(), other, "0.33.0") is None, other
+    # a release it was not seen in, or none known
+    assert explain(_corrupt(), MLA_BSR, "0.40.0") is None
+    assert explain(_corrupt(), MLA_BSR, None) is None
+    # hkvsim's own corruption is never excused
+    assert explain(_corrupt("hkvsim"), MLA_BSR, "0.33.0") is None
+    # shapes no documented finding leaves
+    stray = Finding("corruption", "vllm", "1 late landing(s), 0 stray write(s)",
+                    "vllm: corruption: bytes landed in blocks the request did not own | m pull")
+    hang = Finding("hang", "vllm", "never ended", "vllm: hang: requests never ended | m pull")
+    crash = Finding("crash", "vllm", "x.py:1: boom", "vllm: crash: x.py:1 | m pull")
+    leak = Finding("leak", "vllm", "left behind", "vllm: leak: decode_blocks | m push")
+    push_bsr = _facts(mode="push", decode_block=32)
+    for finding in (stray, hang, crash):
+        assert explain(finding, MLA_BSR, "0.33.0") is None, finding
+    assert explain(leak, push_bsr, "0.33.0") is None
+    # a difference in a field the documented finding does not touch
+    assert explain(_diff(("byte_exact", "outcome", "handshake")), MLA_BSR, "0.33.0") is None
+    # the refusal explains a difference only when vLLM's run was refused
+    refused = _diff(("handshake", "outcome"), outcomes=("ok", "handshake-error"))
+    assert explain(refused, push_bsr, "0.33.0") == "push-block-size-ratio-refused"
+    assert explain(dataclasses.replace(refused, outcomes=("ok", "corruption")), push_bsr,
+                   "0.33.0") is None
+
+
+def test_a_release_assert_is_known_only_where_its_detail_names_the_location() -> None:
+    kimi = _facts(is_mla=True, is_hybrid=True, kv_heads=None, prefill_tp=4, decode_tp=2)
+    failed = Finding("not-ok", "vllm", "outcome request-failure without faults: {...}; request "
+                     "0: vllm_failure: vLLM failed at pull_worker.py:167: AssertionError",
+                     "vllm: not-ok: request-failure (vllm_failure) | tiny-kimi-linear pull")
+    assert explain(failed, kimi, "0.26.0") == "pr49762-hybrid-mla-pull-assert"
+    assert explain(failed, kimi, "0.33.0") is None  # fixed there: new if 0.33.0 fails
+    other = dataclasses.replace(failed, detail=failed.detail.replace("pull_worker.py:167",
+                                                                     "base_worker.py:99"))
+    assert explain(other, kimi, "0.26.0") is None
+
+
+def test_faults_widen_only_the_entries_that_say_so() -> None:
+    fields = ("byte_exact", "failure_class", "outcome", "status", "wrong_regions")
+    faulted = dataclasses.replace(MLA_BSR, faults=frozenset({("fail-transfer", "completion")}))
+    assert explain(_diff(fields), faulted, "0.33.0") == "mla-block-size-ratio-last-block"
+    assert explain(_diff(fields), MLA_BSR, "0.33.0") is None
+    # the push design difference: accounting only, same outcomes, a failing prefill rank
+    accounting = _diff(("descriptors", "nbytes", "transfers"),
+                       outcomes=("lease-expired", "lease-expired"))
+    push = _facts(mode="push", prefill_tp=2, decode_tp=8,
+                  faults=frozenset({("fail-transfer", "setup")}))
+    assert explain(accounting, push, "0.33.0") == "design-push-registration-dropped"
+    for other in (dataclasses.replace(push, prefill_tp=1),
+                  dataclasses.replace(push, faults=frozenset({("drop-notification", None)}))):
+        assert explain(accounting, other, "0.33.0") is None
+    parted = dataclasses.replace(accounting, outcomes=("ok", "lease-expired"))
+    assert explain(parted, push, "0.33.0") is None
+
+
+def test_every_entry_names_where_it_is_documented() -> None:
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "vllm.md").read_text()
+    triage = (REPORTS / "README.md").read_text()
+    names = [k.name for k in KNOWN]
+    assert len(set(names)) == len(names)
+    for known in KNOWN:
+        path, _, _ = known.where.partition(":")
+        assert path in ("docs/vllm.md", "reports/fuzz/README.md"), known.name
+        assert known.name in (docs + triage), f"{known.name} is not named in {path}"
+
+
+@pytest.mark.parametrize("folder", VLLM_REPORTS)
+def test_the_committed_vllm_reports_are_explained_as_they_say(folder) -> None:
+    """Every finding of the committed runs against vLLM, explained again from its regenerated
+    scenario file, gets the name the report stored; none of them is new."""
+    data = json.loads((REPORTS / folder / "fuzz.json").read_text())
+    options = FuzzOptions(seed=data["seed"], count=data["count"], presets=tuple(data["presets"]),
+                          faults=data["faults"], implementation=data["implementation"])
+    assert data["findings"] > 0 and data["new_findings"] == 0
+    seen = set()
+    for case in data["cases"]:
+        if not case["findings"]:
+            continue
+        (scenario,) = parse_scenarios(generate(options.seed, case["index"], options)[0])
+        deployment = facts(scenario)
+        for stored in case["findings"]:
+            finding = Finding(stored["kind"], stored["implementation"], stored["detail"],
+                              stored["signature"], fields=tuple(stored.get("fields", ())),
+                              outcomes=tuple(stored["outcomes"]) if stored.get("outcomes")
+                              else None)
+            assert explain(finding, deployment, data["vllm_version"]) == stored["known"], (
+                case["index"], stored["signature"])
+            seen.add(stored["known"])
+    assert None not in seen and len(seen) >= 4
+
+
+def test_allow_known_lets_a_run_whose_findings_are_all_explained_exit_0(monkeypatch,
+                                                                          capsys) -> None:
+    from hkvsim import fuzz as fuzz_module
+
+    def fake(options, *, out_dir=None, on_case=None, run=None):
+        case = fuzz_module.FuzzCase(index=0, text="", preset="tiny-deepseek", mode="pull",
+                                    faulty=False, status="checked")
+        case.findings = [dataclasses.replace(_corrupt(), known=known)]
+        return fuzz_module.FuzzReport(options, [case], 0.1, False, "0.33.0")
+
+    monkeypatch.setattr(fuzz_module, "fuzz", fake)
+    for known, allow, status in (("mla-block-size-ratio-last-block", True, 0),
+                                 ("mla-block-size-ratio-last-block", False, 1),
+                                 (None, True, 1)):
+        argv = ["fuzz", "--implementation", "both", "--count", "1"] + (
+            ["--allow-known"] if allow else [])
+        assert cli.main(argv) == status, (known, allow)
+        out = capsys.readouterr().out
+        assert ("1 new" if known is None else "0 new") in out
+        assert ("NEW" if known is None else f"[{known}]") in out
