@@ -477,6 +477,25 @@ def test_a_decode_rank_whose_agent_died_recomputes_whenever_the_coordinator_hear
                 assert result.counters["recomputed"] == (status == "ok"), (mode, kind, verify)
 
 
+def test_a_request_meeting_a_decode_rank_already_disconnected_recomputes_or_fails(
+) -> None:
+    """Request 0's WRITE kills decode0.0's agent; request 1 then finds the rank dead before it
+    connects. With only the agent dead the rank recomputes it; with its process dead it fails.
+    Found by hkvsim fuzz against vLLM 0.26.0 (seed 31, scenarios 27 and 50): the coordinator
+    moved the request from decode-fill to recovering, which its state table refused (a
+    crash)."""
+    for kind, status, recomputed in (("disconnect-peer", "ok", 2), ("kill-rank", "failed", 0)):
+        text = _KILLED_DECODE.format(kind=kind).replace(
+            "requests = 1\nprompt_tokens = [1432]", "requests = 2\nprompt_tokens = [1432, 700]"
+        ).replace("[workload]", "[workload]\nmax_inflight = 1")
+        result = _one(text)
+        first, second = result.records
+        assert (second.status, second.failure_class or second.recovered_from) == (
+            status, "remote_disconnect"), kind
+        assert result.counters["recomputed"] == recomputed, kind
+        assert second.mismatched_words == 0 and not any(result.leaks.values()), kind
+
+
 def test_a_timed_kill_rank_is_counted_as_kill_rank_and_its_rank_answers_nothing() -> None:
     text = _KILLED_DECODE.format(kind="kill-rank").replace(
         'request = 0', 'engine = "decode0"\nrank = 0\nat_seconds = 0.0')

@@ -40,7 +40,9 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     P.PREFILL_BLOCKS: frozenset({P.PREFILLING}),
     P.PREFILLING: frozenset({P.DECODE_BLOCKS, P.DONE}),  # DONE: aborted on prefill
     P.DECODE_BLOCKS: frozenset({P.DECODE_FILL}),
-    P.DECODE_FILL: frozenset({P.CONNECTING, P.RELEASING}),  # RELEASING: a dead decode rank
+    # a decode rank already dead: RELEASING (fail), or RECOVERING when only its NIXL agent died
+    # and the policy recomputes
+    P.DECODE_FILL: frozenset({P.CONNECTING, P.RECOVERING, P.RELEASING}),
     # a refused handshake or undelivered push registration fails the request (or recomputes)
     P.CONNECTING: frozenset({P.TRANSFERRING, P.RECOVERING, P.RELEASING}),
     P.TRANSFERRING: frozenset({P.FINISHING, P.RECOVERING, P.RELEASING}),
