@@ -38,6 +38,7 @@ class Facts:
     kv_heads: int | None  # GQA KV heads (None for MLA)
     prefill_tp: int
     decode_tp: int
+    prefill_instances: int
     prefill_block: int  # tokens per kernel block as configured (the backend's smallest if unset)
     decode_block: int
     decode_prefix_hits: bool  # decode has prefix caching on and some request asks for a hit
@@ -69,6 +70,7 @@ def facts(scenario: Any) -> Facts:
         mode=scenario.connector.mode, is_mla=model.attention.is_mla, is_hybrid=model.is_hybrid,
         kv_heads=None if model.attention.is_mla else model.attention.num_kv_heads,
         prefill_tp=scenario.prefill.tp, decode_tp=scenario.decode.tp,
+        prefill_instances=scenario.prefill.instances,
         prefill_block=block(scenario.prefill), decode_block=block(scenario.decode),
         decode_prefix_hits=bool(scenario.decode.prefix_caching and hits and any(hits)),
         faults=frozenset((f.kind, f.phase) for f in scenario.faults))
@@ -76,7 +78,9 @@ def facts(scenario: Any) -> Facts:
 
 # the shapes a finding can take (Finding.kind, plus its gist where the kind is not enough)
 CORRUPTION = "corruption"  # reported successful with wrong bytes (not a stray write)
-LEAK_AGENTS = "leak:after_shutdown"  # remote agents left behind at shutdown
+LEAK_AGENTS = "leak:after_shutdown"  # agents or prepared lists left behind at shutdown
+LEAK_HELD = "leak:held"  # decode blocks or transfer handles still held (quarantined) at the end
+HANG = "hang"  # requests never ended
 REFUSED = "not-ok:handshake"  # a handshake refused without faults
 FAILED = "not-ok:failure"  # requests failed without faults, the detail naming `mentions`
 DIFF = "diff"
@@ -98,6 +102,7 @@ class KnownFinding:
     vllm_outcomes: frozenset[str] | None = None  # vLLM's run outcome in a difference
     mentions: str | None = None  # FAILED: text the failure's detail must contain
     with_faults: frozenset[str] = frozenset()  # more fields a difference may show under faults
+    outcome_with_faults: bool = True  # False: under faults vLLM's outcome is not checked
 
 
 def _any(*outcomes: str) -> frozenset[str]:
@@ -162,7 +167,8 @@ KNOWN: tuple[KnownFinding, ...] = (
         lambda f: (f.mode == "pull" and f.is_hybrid and f.is_mla
                    and f.prefill_tp > f.decode_tp),
         frozenset({FAILED, DIFF}), _DAMAGE | _ACCOUNTING | _FAILURE,
-        vllm_outcomes=_any("request-failure"), mentions="pull_worker.py:167"),
+        vllm_outcomes=_any("request-failure"), mentions="pull_worker.py:167",
+        outcome_with_faults=False),
     KnownFinding(
         "pr49762-hybrid-mla-push-assert",
         "docs/vllm.md: the #49762 scenarios (0.26.0 asserts at push_worker.py:518)",
@@ -170,7 +176,18 @@ KNOWN: tuple[KnownFinding, ...] = (
         lambda f: (f.mode == "push" and f.is_hybrid and f.is_mla
                    and f.prefill_tp < f.decode_tp),
         frozenset({FAILED, DIFF}), _DAMAGE | _ACCOUNTING | _FAILURE,
-        vllm_outcomes=_any("request-failure"), mentions="push_worker.py:518"),
+        vllm_outcomes=_any("request-failure"), mentions="push_worker.py:518",
+        outcome_with_faults=False),
+    KnownFinding(
+        "push-failed-write-unreported-0.26",
+        "docs/vllm.md: 0.26.0 never reports a push WRITE that failed (a failed push WRITE went "
+        "unseen)",
+        frozenset({"0.26.0"}),
+        lambda f: (f.mode == "push"  # a WRITE that fails, stalls, or whose post raises
+                   and any(f.has_fault(k) for k in ("fail-transfer", "stall-transfer",
+                                                     "disconnect-peer", "kill-rank"))),
+        # its requests end failed, or never, but not with wrong bytes
+        frozenset({HANG, LEAK_HELD, DIFF}), {"outcome", "byte_exact"} | _ACCOUNTING | _FAILURE),
     KnownFinding(
         "push-partial-prefix-hit-0.26",
         "docs/vllm.md: push after a partial decode prefix-cache hit corrupts in 0.26.0 and 0.27.0",
@@ -178,13 +195,21 @@ KNOWN: tuple[KnownFinding, ...] = (
         lambda f: f.mode == "push" and f.decode_prefix_hits,
         frozenset({CORRUPTION, DIFF}), _DAMAGE, with_faults=_FAILURE | _ACCOUNTING),
     KnownFinding(
+        "block-size-ratio-local-list-leak-0.26",
+        "docs/vllm.md: 0.26.0 leaks a prepared local list per extra remote rank of a smaller "
+        "block size",
+        frozenset({"0.26.0"}),
+        lambda f: (f.mode == "pull" and f.decode_blocks_larger
+                   and (f.prefill_tp > f.decode_tp or f.prefill_instances > 1)),
+        frozenset({LEAK_AGENTS})),
+    KnownFinding(
         "harness-push-early-abort-not-driven",
         "docs/vllm.md: not driven yet: push with decode aborting before scheduling or during "
         "the handshake (a harness limit)",
         None,
         lambda f: (f.mode == "push"
                    and f.has_fault("abort-request", "before-scheduling", "during-handshake")),
-        frozenset({DIFF}), frozenset({"outcome"}), vllm_outcomes=_any("lease-expired")),
+        frozenset({DIFF}), frozenset({"outcome"}) | _ACCOUNTING),
     KnownFinding(
         "design-push-registration-dropped",
         "reports/fuzz/README.md: hkvsim's coordinator drops a push registration of a request "
@@ -201,13 +226,17 @@ def _shape(finding: Any) -> str | None:
     if finding.kind == "corruption":
         return CORRUPTION if "wrong bytes" in finding.signature else None
     if finding.kind == "leak":
-        return LEAK_AGENTS if finding.signature.split(" | ")[0].endswith(
-            "leak: after_shutdown") else None
+        what = set(finding.signature.split(" | ")[0].split("leak: ", 1)[1].split(", "))
+        if what == {"after_shutdown"}:
+            return LEAK_AGENTS
+        return LEAK_HELD if what <= {"decode_blocks", "open_handles", "quarantined_blocks"} else None
+    if finding.kind == "hang":
+        return HANG
     if finding.kind == "not-ok":
         return REFUSED if "handshake refused" in finding.signature else FAILED
     if finding.kind == "diff":
         return DIFF
-    return None  # hangs, crashes, timeouts, stray writes, nondeterminism: never known
+    return None  # crashes, timeouts, stray writes, nondeterminism: never known
 
 
 def explain(finding: Any, f: Facts, version: str | None) -> str | None:
@@ -231,7 +260,7 @@ def explain(finding: Any, f: Facts, version: str | None) -> str | None:
             allowed = known.diff_fields | (known.with_faults if faulty else frozenset())
             if not set(finding.fields) <= allowed:
                 continue
-            if known.vllm_outcomes is not None and (
+            if known.vllm_outcomes is not None and (faulty is False or known.outcome_with_faults) and (
                     finding.outcomes is None or finding.outcomes[1] not in known.vllm_outcomes):
                 continue
             if known.name == "design-push-registration-dropped" and (

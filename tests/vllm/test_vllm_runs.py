@@ -315,6 +315,32 @@ def test_mla_with_a_block_size_ratio_damages_a_half_covered_last_block(vllm_requ
 
 
 @pytest.mark.timeout(300)
+def test_a_second_remote_rank_of_a_smaller_block_size_leaks_a_list_in_0_26(vllm_required: str
+                                                                           ) -> None:
+    """A vLLM finding (docs/vllm.md), found by hkvsim fuzz: 0.26.0 prepares a local descriptor
+    list per remote rank registration with a block size ratio and keeps only the last under its
+    block size, so one prepared list per extra remote rank (a second prefill rank, or a second
+    prefill instance) is left after shutdown; 0.33.0 prepares it once. Both byte-exact, as is
+    hkvsim's core, which leaves nothing behind."""
+    from hkvsim.implementations.diff import with_implementation
+
+    leaked = {"0.33.0": 0, "0.26.0": 1}.get(vllm_required)
+    if leaked is None:
+        pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+    path = ROOT / "scenarios" / "vllm" / "finding-bsr-local-list-leak.toml"
+    variants = load_scenarios(path)
+    assert len(variants) == 2
+    for s in variants:
+        name = s.scenario.name
+        core = run_scenario(with_implementation(s, "hkvsim"))
+        assert core.outcome == "ok" and not any(core.leaks.values()), name
+        vllm = run_scenario(s)
+        assert vllm.mismatched_bytes == 0 and [r.status for r in vllm.records] == ["ok"] * 2
+        assert vllm.leaks["after_shutdown"] == leaked, (name, vllm.leaks)
+        assert vllm.outcome == ("ok" if not leaked else "leak"), name
+
+
+@pytest.mark.timeout(300)
 def test_a_full_prefix_hit_on_a_hybrid_pulls_nothing(vllm_required: str) -> None:
     """A pull after a decode hit on all N-1 tokens of KimiLinear, ending on a logical block
     boundary: hkvsim's core and vLLM (0.26.0 and 0.33.0) read nothing, free prefill's blocks by
