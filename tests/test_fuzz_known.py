@@ -114,6 +114,24 @@ def test_faults_widen_only_the_entries_that_say_so() -> None:
     assert explain(parted, push, "0.33.0") is None
 
 
+def test_an_unreported_push_write_explains_held_blocks_and_hangs_but_no_other_leak() -> None:
+    """0.26.0 never reports a failed push WRITE: decode's blocks stay held, or the request never
+    ends. A leak of anything else (prefill's blocks, a registration) is new."""
+    push = _facts(mode="push", prefill_tp=2, faults=frozenset({("fail-transfer", "setup")}))
+
+    def leak(what: str) -> Finding:
+        return Finding("leak", "vllm", "left behind", f"vllm: leak: {what} | m push")
+
+    hang = Finding("hang", "vllm", "never ended", "vllm: hang: requests never ended | m push")
+    for finding in (leak("decode_blocks, quarantined_blocks"), leak("open_handles"), hang):
+        assert explain(finding, push, "0.26.0") == "push-failed-write-unreported-0.26"
+        assert explain(finding, push, "0.33.0") is None  # fixed there
+    for what in ("prefill_blocks", "decode_blocks, prefill_blocks", "after_shutdown, decode_blocks"):
+        assert explain(leak(what), push, "0.26.0") is None, what
+    # without a fault that fails a WRITE, a hang is new even under 0.26.0
+    assert explain(hang, dataclasses.replace(push, faults=frozenset()), "0.26.0") is None
+
+
 def test_every_entry_names_where_it_is_documented() -> None:
     docs = (Path(__file__).resolve().parent.parent / "docs" / "vllm.md").read_text()
     triage = (REPORTS / "README.md").read_text()
