@@ -103,6 +103,7 @@ class KnownFinding:
     mentions: str | None = None  # FAILED: text the failure's detail must contain
     with_faults: frozenset[str] = frozenset()  # more fields a difference may show under faults
     outcome_with_faults: bool = True  # False: under faults vLLM's outcome is not checked
+    same_outcomes: bool = False  # a difference only where both runs ended the same way
 
 
 def _any(*outcomes: str) -> frozenset[str]:
@@ -187,7 +188,8 @@ KNOWN: tuple[KnownFinding, ...] = (
                    and any(f.has_fault(k) for k in ("fail-transfer", "stall-transfer",
                                                      "disconnect-peer", "kill-rank"))),
         # its requests end failed, or never, but not with wrong bytes
-        frozenset({HANG, LEAK_HELD, DIFF}), {"outcome", "byte_exact"} | _ACCOUNTING | _FAILURE),
+        frozenset({HANG, LEAK_HELD, DIFF}),
+        frozenset({"outcome", "byte_exact"}) | _ACCOUNTING | _FAILURE),
     KnownFinding(
         "push-partial-prefix-hit-0.26",
         "docs/vllm.md: push after a partial decode prefix-cache hit corrupts in 0.26.0 and 0.27.0",
@@ -218,7 +220,7 @@ KNOWN: tuple[KnownFinding, ...] = (
         lambda f: (f.mode == "push" and f.prefill_tp > 1
                    and any(f.has_fault(k) for k in ("fail-transfer", "stall-transfer",
                                                      "disconnect-peer", "kill-rank"))),
-        frozenset({DIFF}), _ACCOUNTING),
+        frozenset({DIFF}), _ACCOUNTING, same_outcomes=True),
 )
 
 
@@ -229,7 +231,8 @@ def _shape(finding: Any) -> str | None:
         what = set(finding.signature.split(" | ")[0].split("leak: ", 1)[1].split(", "))
         if what == {"after_shutdown"}:
             return LEAK_AGENTS
-        return LEAK_HELD if what <= {"decode_blocks", "open_handles", "quarantined_blocks"} else None
+        held = {"decode_blocks", "open_handles", "quarantined_blocks"}
+        return LEAK_HELD if what <= held else None
     if finding.kind == "hang":
         return HANG
     if finding.kind == "not-ok":
@@ -260,11 +263,13 @@ def explain(finding: Any, f: Facts, version: str | None) -> str | None:
             allowed = known.diff_fields | (known.with_faults if faulty else frozenset())
             if not set(finding.fields) <= allowed:
                 continue
-            if known.vllm_outcomes is not None and (faulty is False or known.outcome_with_faults) and (
-                    finding.outcomes is None or finding.outcomes[1] not in known.vllm_outcomes):
+            checks_outcome = known.vllm_outcomes is not None and (
+                not faulty or known.outcome_with_faults)
+            if checks_outcome and (finding.outcomes is None
+                                   or finding.outcomes[1] not in known.vllm_outcomes):
                 continue
-            if known.name == "design-push-registration-dropped" and (
-                    finding.outcomes is None or finding.outcomes[0] != finding.outcomes[1]):
+            if known.same_outcomes and (finding.outcomes is None
+                                        or finding.outcomes[0] != finding.outcomes[1]):
                 continue
         return known.name
     return None

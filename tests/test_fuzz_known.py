@@ -25,7 +25,8 @@ TRIAGED_NEW = {"vllm-0.26.0-faults": {39}}
 
 def _facts(**kw) -> Facts:
     base = dict(mode="pull", is_mla=False, is_hybrid=False, kv_heads=8, prefill_tp=1,
-                decode_tp=1, prefill_instances=1, prefill_block=16, decode_block=16, decode_prefix_hits=False,
+                decode_tp=1, prefill_instances=1, prefill_block=16, decode_block=16,
+                decode_prefix_hits=False,
                 faults=frozenset())
     return Facts(**(base | kw))
 
@@ -126,7 +127,8 @@ def test_an_unreported_push_write_explains_held_blocks_and_hangs_but_no_other_le
     for finding in (leak("decode_blocks, quarantined_blocks"), leak("open_handles"), hang):
         assert explain(finding, push, "0.26.0") == "push-failed-write-unreported-0.26"
         assert explain(finding, push, "0.33.0") is None  # fixed there
-    for what in ("prefill_blocks", "decode_blocks, prefill_blocks", "after_shutdown, decode_blocks"):
+    for what in ("prefill_blocks", "decode_blocks, prefill_blocks",
+                 "after_shutdown, decode_blocks"):
         assert explain(leak(what), push, "0.26.0") is None, what
     # without a fault that fails a WRITE, a hang is new even under 0.26.0
     assert explain(hang, dataclasses.replace(push, faults=frozenset()), "0.26.0") is None
