@@ -538,7 +538,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                               max_requests=args.max_requests,
                               max_prompt_tokens=args.max_prompt_tokens, faults=args.faults,
                               quirk=args.quirk, implementation=args.implementation,
-                              determinism=args.determinism,
+                              determinism=args.determinism, backend=args.backend,
                               scenario_timeout=args.scenario_timeout, time_limit=args.time_limit)
     except ValueError as exc:
         return _fail_input(f"fuzz: {exc}")
@@ -556,7 +556,13 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                 print(f"scenario {case.index}: {f.implementation}: {f.kind}{known}: "
                       f"{f.detail}"[:300], flush=True)
 
-    report = fuzz(options, out_dir=out, on_case=said)
+    from .transport.nixl import NixlUnavailable
+
+    try:
+        report = fuzz(options, out_dir=out, on_case=said)
+    except NixlUnavailable as exc:  # --backend nixl where NIXL cannot be imported
+        print(f"hkvsim: error: fuzz --backend nixl: {exc}", file=sys.stderr)
+        return EXIT_INPUT
     data = report.as_dict()
     if args.json:
         _emit_json({k: v for k, v in data.items() if k != "cases"} | (
@@ -567,7 +573,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
               f"{' (time limit reached)' if data['stopped_early'] else ''}: "
               f"{data['checked']} checked, {data['skipped']} skipped, "
               f"{data['refused_input']} refused by the input checks; implementation "
-              f"{data['implementation']}{where}")
+              f"{data['implementation']}{where}"
+              + (" on real NIXL" if data["backend"] == "nixl" else ""))
         for name, counts in data["outcomes"].items():
             print(f"  {name} outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
         for reason, n in sorted(data["skip_reasons"].items(), key=lambda kv: -kv[1]):
@@ -827,6 +834,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write fuzz.json and each finding's scenario (finding-NNNN.toml, with "
                         "the command that reproduces it) there")
+    p.add_argument("--backend", choices=["sim", "nixl"], default="sim",
+                   help="where each scenario runs (default: sim, the simulated fabric; nixl: "
+                        "real NIXL agents, one process per rank, DRAM over UCX; without "
+                        "--faults and --determinism)")
     p.add_argument("--allow-known", action="store_true",
                    help="exit 0 when a documented vLLM finding explains every finding "
                         "(docs/vllm.md; each is still listed, with its name); hkvsim's own "

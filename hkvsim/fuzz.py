@@ -29,6 +29,11 @@ every difference ``hkvsim diff`` reports (``diff``). A deployment vLLM's harness
 counted as skipped with its reason. ``--quirk NAME`` replays a known connector bug in hkvsim's
 core on every scenario: the runs where it breaks a rule are the deployments that expose it.
 
+``--backend nixl`` runs each scenario over real NIXL agents instead of the simulated fabric (one
+process per rank, DRAM over UCX on loopback: the bytes the checks read moved for real), without
+faults or ``--determinism``; ``--scenario-timeout`` then bounds each workload through the real
+driver's own deadline.
+
 Findings are grouped by signature (what broke, the model and the mode); with ``--out DIR`` each
 finding's scenario is written as ``finding-NNNN.toml`` with the command that reproduces it, and
 ``fuzz.json`` holds every scenario's result.
@@ -36,6 +41,7 @@ finding's scenario is written as ``finding-NNNN.toml`` with the command that rep
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -56,6 +62,7 @@ __all__ = ["FuzzOptions", "Finding", "FuzzCase", "generate", "check_run", "fuzz"
 
 FUZZ_PRESETS = ("tiny-kimi-linear", "tiny-qwen3-next", "tiny-deepseek", "tiny-llama")
 IMPLEMENTATIONS = ("hkvsim", "vllm", "both")
+BACKENDS = ("sim", "nixl")
 _MERGES = {"hkvsim": ("off", "contiguous", "strided"), "vllm": ("off",), "both": ("off",)}
 _HYBRID = ("tiny-kimi-linear", "tiny-qwen3-next", "kimi-linear-48b", "qwen3-next-80b")
 _MLA = ("tiny-deepseek", "deepseek-v3")
@@ -83,6 +90,7 @@ class FuzzOptions:
     implementation: str = "hkvsim"
     determinism: bool = False
     scenario_timeout: float = 120.0  # wall seconds per run
+    backend: str = "sim"  # sim: the simulated fabric; nixl: real NIXL agents, a process per rank
     time_limit: float | None = None  # wall seconds for the whole fuzz: no new scenario after it
 
     def __post_init__(self) -> None:
@@ -104,6 +112,16 @@ class FuzzOptions:
             problems.append(f"quirk {self.quirk!r} with implementation "
                             f"{self.implementation!r}: quirks replay bugs in hkvsim's core; "
                             "allowed only with implementation hkvsim")
+        if self.backend not in BACKENDS:
+            problems.append(f"backend {self.backend!r}: allowed: {', '.join(BACKENDS)}")
+        elif self.backend == "nixl":
+            if self.faults:
+                problems.append("faults with backend nixl: the real backend injects only some "
+                                "fault kinds, and only with engine and rank targets; allowed "
+                                "only with backend sim")
+            if self.determinism:
+                problems.append("determinism with backend nixl: its times are wall-clock; "
+                                "allowed only with backend sim")
         if not self.scenario_timeout > 0:
             problems.append(f"scenario_timeout {self.scenario_timeout}: allowed: > 0 seconds")
         if self.time_limit is not None and not self.time_limit > 0:
@@ -345,6 +363,17 @@ def _run(scenario: Any) -> Any:
     return run_scenario(scenario)
 
 
+def _nixl_runner(timeout: float) -> Callable[[Any], Any]:
+    """Runs over real NIXL agents (one process per rank, DRAM over UCX on loopback), the
+    workload bounded by the driver's own deadline (no SIGALRM across its rank processes)."""
+    from .drivers.nixl import NixlRunOptions, run_scenario_nixl
+    from .transport.nixl import load_nixl
+
+    load_nixl()  # NixlUnavailable: the whole fuzz cannot run here, said once
+    options = NixlRunOptions(run_timeout=timeout)
+    return lambda scenario: run_scenario_nixl(scenario, options=options)
+
+
 def run_case(case: FuzzCase, options: FuzzOptions, *, run: Callable[[Any], Any] = _run,
              vllm_version: list[str] | None = None) -> None:
     """Run ``case`` as ``options`` say and record its outcomes and findings in it."""
@@ -366,10 +395,11 @@ def run_case(case: FuzzCase, options: FuzzOptions, *, run: Callable[[Any], Any] 
         return
     names = ("hkvsim", "vllm") if options.implementation == "both" else (options.implementation,)
     results: dict[str, Any] = {}
+    real = options.backend == "nixl"
     for name in names:
         s = with_implementation(scenario, name)
         try:
-            with _deadline(options.scenario_timeout):
+            with (contextlib.nullcontext() if real else _deadline(options.scenario_timeout)):
                 results[name] = run(s)
                 if options.determinism:
                     again = run(s)
@@ -461,7 +491,7 @@ class FuzzReport:
         return {"seed": o.seed, "count": o.count, "ran": len(self.cases),
                 "stopped_early": self.stopped_early, "implementation": o.implementation,
                 "vllm_version": self.vllm_version, "quirk": o.quirk, "faults": o.faults,
-                "determinism": o.determinism, "presets": list(o.presets),
+                "determinism": o.determinism, "presets": list(o.presets), "backend": o.backend,
                 "seconds": round(self.seconds, 2),
                 "checked": status.get("checked", 0), "skipped": status.get("skipped", 0),
                 "refused_input": status.get("refused-input", 0),
@@ -480,12 +510,13 @@ class FuzzReport:
 
 
 def reproduce_command(options: FuzzOptions, path: str, version: str | None) -> str:
+    backend = " --backend nixl" if options.backend == "nixl" else ""
     if options.implementation == "hkvsim":
-        return f"hkvsim run {path}"
+        return f"hkvsim run{backend} {path}"
     wrap = f"scripts/with-vllm {version or 'VERSION'} "
     if options.implementation == "both":
-        return f"{wrap}hkvsim diff {path}"
-    return f"{wrap}hkvsim run {path}"
+        return f"{wrap}hkvsim diff{backend} {path}"
+    return f"{wrap}hkvsim run{backend} {path}"
 
 
 def finding_file(case: FuzzCase, options: FuzzOptions, version: str | None, name: str) -> str:
@@ -493,7 +524,8 @@ def finding_file(case: FuzzCase, options: FuzzOptions, version: str | None, name
     head = [f"# hkvsim fuzz --seed {options.seed}: scenario {case.index} "
             f"(implementation {options.implementation}"
             + (f", vLLM {version}" if version and options.implementation != "hkvsim" else "")
-            + (f", quirk {options.quirk}" if options.quirk else "") + ")"]
+            + (f", quirk {options.quirk}" if options.quirk else "")
+            + (", real NIXL" if options.backend == "nixl" else "") + ")"]
     for f in case.findings:
         head.append(f"# found ({f.implementation}): {f.kind}: {f.detail}"[:400])
         if f.known is not None:
@@ -508,6 +540,8 @@ def fuzz(options: FuzzOptions, *, out_dir: Path | None = None,
     """Generate and run ``options.count`` scenarios (fewer when ``time_limit`` ends it) and
     write findings and ``fuzz.json`` to ``out_dir`` when given."""
     start = time.perf_counter()
+    if options.backend == "nixl" and run is _run:
+        run = _nixl_runner(options.scenario_timeout)
     cases: list[FuzzCase] = []
     version: list[str] = []
     stopped = False

@@ -260,7 +260,10 @@ def test_options_refuse_bad_values_naming_what_is_allowed() -> None:
                       (dict(quirk="phantom-token", implementation="vllm"),
                        "allowed only with implementation hkvsim"),
                       (dict(scenario_timeout=0), "allowed: > 0 seconds"),
-                      (dict(max_prompt_tokens=1), "allowed: >= 2")):
+                      (dict(max_prompt_tokens=1), "allowed: >= 2"),
+                      (dict(backend="gpu"), "allowed: sim, nixl"),
+                      (dict(backend="nixl", faults=True), "faults with backend nixl"),
+                      (dict(backend="nixl", determinism=True), "its times are wall-clock")):
         with pytest.raises(ValueError, match=words):
             FuzzOptions(**kw)
 
@@ -392,6 +395,43 @@ def test_the_reproduce_line_names_the_command_and_the_release() -> None:
     assert cmd("both", "0.33.0") == "scripts/with-vllm 0.33.0 hkvsim diff d/f.toml"
     assert cmd("both", None) == "scripts/with-vllm VERSION hkvsim diff d/f.toml"
     assert cmd("vllm", "0.26.0") == "scripts/with-vllm 0.26.0 hkvsim run d/f.toml"
+    real = FuzzOptions(implementation="both", backend="nixl")
+    assert reproduce_command(real, "f.toml", "0.33.0") == (
+        "scripts/with-vllm 0.33.0 hkvsim diff --backend nixl f.toml")
+    assert reproduce_command(FuzzOptions(backend="nixl"), "f.toml", None) == (
+        "hkvsim run --backend nixl f.toml")
+
+
+def test_backend_nixl_runs_through_the_real_driver_with_its_own_deadline(monkeypatch) -> None:
+    """The real backend's runs go to the NIXL driver, bounded by its own workload deadline (the
+    scenario timeout), not by a SIGALRM that would fire inside its rank handling."""
+    from hkvsim import fuzz as fuzz_module
+
+    seen = []
+
+    def runner(timeout):
+        def run(scenario):
+            seen.append((timeout, _alarm_is_the_fuzz_deadline()))
+            return run_scenario(scenario)
+        return run
+
+    monkeypatch.setattr(fuzz_module, "_nixl_runner", runner)
+    report = fuzz(FuzzOptions(seed=0, count=2, backend="nixl", scenario_timeout=77.0))
+    assert seen == [(77.0, False), (77.0, False)]
+    assert report.as_dict()["backend"] == "nixl" and report.findings == []
+    # the simulated fabric keeps its wall-clock alarm
+    seen.clear()
+    fuzz(FuzzOptions(seed=0, count=1), run=lambda s: seen.append(
+        _alarm_is_the_fuzz_deadline()) or run_scenario(s))
+    assert seen == [True]
+
+
+def _alarm_is_the_fuzz_deadline() -> bool:
+    """Whether SIGALRM is the fuzz's own per-run deadline (pytest-timeout may arm one too)."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGALRM)
+    return getattr(handler, "__qualname__", "").startswith("_deadline.")
 
 
 @pytest.mark.timeout(600)
