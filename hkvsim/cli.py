@@ -539,6 +539,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
                               max_prompt_tokens=args.max_prompt_tokens, faults=args.faults,
                               quirk=args.quirk, implementation=args.implementation,
                               determinism=args.determinism, backend=args.backend,
+                              max_ranks=args.max_ranks,
                               scenario_timeout=args.scenario_timeout, time_limit=args.time_limit)
     except ValueError as exc:
         return _fail_input(f"fuzz: {exc}")
@@ -838,6 +839,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where each scenario runs (default: sim, the simulated fabric; nixl: "
                         "real NIXL agents, one process per rank, DRAM over UCX; without "
                         "--faults and --determinism)")
+    p.add_argument("--max-ranks", type=int, default=8, metavar="N",
+                   help="with --backend nixl: skip a drawn deployment of more than N rank "
+                        "processes (default 8; each rank is a process, vLLM's import its own)")
     p.add_argument("--allow-known", action="store_true",
                    help="exit 0 when a documented vLLM finding explains every finding "
                         "(docs/vllm.md; each is still listed, with its name); hkvsim's own "

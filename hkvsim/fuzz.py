@@ -91,6 +91,7 @@ class FuzzOptions:
     determinism: bool = False
     scenario_timeout: float = 120.0  # wall seconds per run
     backend: str = "sim"  # sim: the simulated fabric; nixl: real NIXL agents, a process per rank
+    max_ranks: int = 8  # backend nixl: a deployment of more rank processes is skipped
     time_limit: float | None = None  # wall seconds for the whole fuzz: no new scenario after it
 
     def __post_init__(self) -> None:
@@ -122,6 +123,9 @@ class FuzzOptions:
             if self.determinism:
                 problems.append("determinism with backend nixl: its times are wall-clock; "
                                 "allowed only with backend sim")
+        if self.max_ranks < 2:
+            problems.append(f"max_ranks {self.max_ranks}: allowed: >= 2 (a prefill and a "
+                            "decode rank)")
         if not self.scenario_timeout > 0:
             problems.append(f"scenario_timeout {self.scenario_timeout}: allowed: > 0 seconds")
         if self.time_limit is not None and not self.time_limit > 0:
@@ -393,9 +397,16 @@ def run_case(case: FuzzCase, options: FuzzOptions, *, run: Callable[[Any], Any] 
     except MemoryGuardError as exc:
         case.status, case.reason = "refused-input", str(exc)
         return
+    real = options.backend == "nixl"
+    ranks = sum(section.tp * section.instances for section in (scenario.prefill, scenario.decode))
+    if real and ranks > options.max_ranks:
+        case.status = "skipped"
+        case.reason = (f"{ranks} rank processes on real NIXL, above --max-ranks "
+                       f"{options.max_ranks}")
+        case.seconds = time.perf_counter() - t0
+        return
     names = ("hkvsim", "vllm") if options.implementation == "both" else (options.implementation,)
     results: dict[str, Any] = {}
-    real = options.backend == "nixl"
     for name in names:
         s = with_implementation(scenario, name)
         try:

@@ -262,6 +262,7 @@ def test_options_refuse_bad_values_naming_what_is_allowed() -> None:
                       (dict(scenario_timeout=0), "allowed: > 0 seconds"),
                       (dict(max_prompt_tokens=1), "allowed: >= 2"),
                       (dict(backend="gpu"), "allowed: sim, nixl"),
+                      (dict(max_ranks=1), "max_ranks 1: allowed: >= 2"),
                       (dict(backend="nixl", faults=True), "faults with backend nixl"),
                       (dict(backend="nixl", determinism=True), "its times are wall-clock")):
         with pytest.raises(ValueError, match=words):
@@ -416,9 +417,20 @@ def test_backend_nixl_runs_through_the_real_driver_with_its_own_deadline(monkeyp
         return run
 
     monkeypatch.setattr(fuzz_module, "_nixl_runner", runner)
-    report = fuzz(FuzzOptions(seed=0, count=2, backend="nixl", scenario_timeout=77.0))
+    report = fuzz(FuzzOptions(seed=0, count=2, backend="nixl", scenario_timeout=77.0,
+                              max_ranks=64))
     assert seen == [(77.0, False), (77.0, False)]
     assert report.as_dict()["backend"] == "nixl" and report.findings == []
+    # a deployment of more rank processes than --max-ranks is skipped there, saying why
+    seen.clear()
+    report = fuzz(FuzzOptions(seed=0, count=6, backend="nixl", max_ranks=2))
+    ranks = [sum(s.tp * s.instances for s in (sc.prefill, sc.decode)) for sc in
+             (parse_scenarios(generate(0, i, FuzzOptions())[0])[0] for i in range(6))]
+    assert [c.status for c in report.cases] == [
+        "checked" if n <= 2 else "skipped" for n in ranks] and len(seen) == ranks.count(2)
+    assert any(n > 2 for n in ranks) and any(n == 2 for n in ranks), ranks
+    skipped = next(c for c in report.cases if c.status == "skipped")
+    assert "rank processes on real NIXL, above --max-ranks 2" in skipped.reason
     # the simulated fabric keeps its wall-clock alarm
     seen.clear()
     fuzz(FuzzOptions(seed=0, count=1), run=lambda s: seen.append(
