@@ -57,21 +57,17 @@ class Facts:
 
 
 def facts(scenario: Any) -> Facts:
-    from .pd.deployment import engine_model
+    from .pd.deployment import engine_block_size, engine_model
 
     model = scenario.model_spec()
-
-    def block(section: Any) -> int:
-        return int(section.block_size
-                   or engine_model(model, section).attention.attention_backend.min_kernel_block)
-
     hits = scenario.workload.prefix_hit_tokens
     return Facts(
         mode=scenario.connector.mode, is_mla=model.attention.is_mla, is_hybrid=model.is_hybrid,
         kv_heads=None if model.attention.is_mla else model.attention.num_kv_heads,
         prefill_tp=scenario.prefill.tp, decode_tp=scenario.decode.tp,
         prefill_instances=scenario.prefill.instances,
-        prefill_block=block(scenario.prefill), decode_block=block(scenario.decode),
+        prefill_block=engine_block_size(engine_model(model, scenario.prefill), scenario.prefill),
+        decode_block=engine_block_size(engine_model(model, scenario.decode), scenario.decode),
         decode_prefix_hits=bool(scenario.decode.prefix_caching and hits and any(hits)),
         faults=frozenset((f.kind, f.phase) for f in scenario.faults))
 

@@ -116,6 +116,11 @@ class _SimLoop(CoordinatorLoop):
             super()._pump()
 
 
+def _process_killed(rank: RankId) -> str:
+    """Why a rank whose process a kill-rank fault killed answers nothing."""
+    return f"{rank[0]} rank {rank[1]} died: its process was killed"
+
+
 class SimDriver:
     """Runs one scenario on the simulated fabric."""
 
@@ -279,9 +284,8 @@ class SimDriver:
             # a killed rank process answers nothing, as on real NIXL: a call made before the
             # coordinator has heard of the death (its Died event is queued behind the reply
             # that reported it), e.g. a recompute on decode, must not run there
-            return Reply(call.call_id, error=RankError(
-                "remote_disconnect", f"{call.rank[0]} rank {call.rank[1]} died: its process was "
-                                     "killed"))
+            return Reply(call.call_id, error=RankError("remote_disconnect",
+                                                       _process_killed(call.rank)))
         if self._woken is not None:
             self._woken[call.rank] = self.env.now
         op = call.op
@@ -339,7 +343,7 @@ class SimDriver:
     def _on_death(self, agent: str) -> None:
         rank = self._agent_rank[agent]
         process = agent in self.world.killed_processes
-        reason = (f"{rank[0]} rank {rank[1]} died: its process was killed" if process
+        reason = (_process_killed(rank) if process
                   else f"{rank[0]} rank {rank[1]} died: agent {agent} disconnected")
         self._deliver(lambda: self.coord.on_events([Died(rank, reason, process=process)],
                                                    self.env.now))

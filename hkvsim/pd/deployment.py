@@ -41,11 +41,18 @@ def engine_model(model: ModelSpec, section: object) -> ModelSpec:
                                                                           attention=attention)
 
 
+def engine_block_size(engine: ModelSpec, section: object) -> int:
+    """The block size an engine section asks for (None: its attention backend's smallest);
+    ``engine``: the model as that engine runs it (:func:`engine_model`)."""
+    return int(section.block_size  # type: ignore[attr-defined]
+               or engine.attention.attention_backend.min_kernel_block)
+
+
 def engine_layout(model: ModelSpec, section: object, *, num_blocks: int,
                   registration_order: str, quirks: frozenset[str]) -> EngineLayout:
     """The layout an engine section describes (block_size None = the backend's smallest)."""
     model = engine_model(model, section)
-    block = section.block_size or model.attention.attention_backend.min_kernel_block  # type: ignore[attr-defined]
+    block = engine_block_size(model, section)
     return build_layout(model, tp=section.tp, block_size=block,  # type: ignore[attr-defined]
                         num_blocks=num_blocks,
                         kv_cache_layout=section.kv_cache_layout,  # type: ignore[attr-defined]

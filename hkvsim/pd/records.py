@@ -118,8 +118,7 @@ class RunResult:
     def corrupted(self) -> int:
         """Requests the connector reported successful whose bytes are wrong (the oracle found
         them wrong, or a late transfer overwrote them after they were verified)."""
-        return sum(r.corrupted
-                   for r in self.records)
+        return sum(r.corrupted for r in self.records)
 
     @property
     def late_landings(self) -> int:
