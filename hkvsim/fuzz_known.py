@@ -43,10 +43,20 @@ class Facts:
     decode_block: int
     decode_prefix_hits: bool  # decode has prefix caching on and some request asks for a hit
     faults: frozenset[tuple[str, str | None]]  # (kind, phase)
+    # (kernel block, logical block) in tokens after page unification: hybrids' logical blocks
+    # follow the state page, which shrinks with TP, so they can differ at equal kernel blocks
+    prefill_blocks: tuple[int, int] = (0, 0)
+    decode_blocks: tuple[int, int] = (0, 0)
+    uneven_groups: bool = False  # a hybrid whose last cache group holds fewer layers
 
     @property
     def block_size_ratio(self) -> bool:
         return self.prefill_block != self.decode_block
+
+    @property
+    def block_geometry_differs(self) -> bool:
+        """Kernel block or kernel blocks per logical block differ between the engines."""
+        return self.prefill_blocks != self.decode_blocks
 
     @property
     def decode_blocks_larger(self) -> bool:
@@ -57,10 +67,20 @@ class Facts:
 
 
 def facts(scenario: Any) -> Facts:
+    from .geometry.layout import unify_pages
     from .pd.deployment import engine_block_size, engine_model
 
     model = scenario.model_spec()
     hits = scenario.workload.prefix_hit_tokens
+
+    def blocks(section: Any) -> tuple[int, int]:
+        engine = engine_model(model, section)
+        return unify_pages(engine, section.tp, engine_block_size(engine, section))
+
+    uneven = False
+    if model.is_hybrid:
+        counts = (len(model.attention_layers), len(model.state_layers))
+        uneven = max(counts) % min(counts) != 0
     return Facts(
         mode=scenario.connector.mode, is_mla=model.attention.is_mla, is_hybrid=model.is_hybrid,
         kv_heads=None if model.attention.is_mla else model.attention.num_kv_heads,
@@ -69,7 +89,9 @@ def facts(scenario: Any) -> Facts:
         prefill_block=engine_block_size(engine_model(model, scenario.prefill), scenario.prefill),
         decode_block=engine_block_size(engine_model(model, scenario.decode), scenario.decode),
         decode_prefix_hits=bool(scenario.decode.prefix_caching and hits and any(hits)),
-        faults=frozenset((f.kind, f.phase) for f in scenario.faults))
+        faults=frozenset((f.kind, f.phase) for f in scenario.faults),
+        prefill_blocks=blocks(scenario.prefill), decode_blocks=blocks(scenario.decode),
+        uneven_groups=uneven)
 
 
 # the shapes a finding can take (Finding.kind, plus its gist where the kind is not enough)
@@ -110,7 +132,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "mla-block-size-ratio-last-block",
         "docs/vllm.md: MLA with a block size ratio damages the last decode block",
-        frozenset({"0.26.0", "0.33.0"}),
+        frozenset({"0.26.0", "0.33.0", "0.34.0"}),
         lambda f: f.mode == "pull" and f.is_mla and not f.is_hybrid and f.decode_blocks_larger,
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
         with_faults=_FAILURE),
@@ -131,11 +153,18 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "gqa-push-replicated-decode-heads",
         "docs/vllm.md: GQA push to a decode TP larger than the KV-head count corrupts silently",
-        None,
+        frozenset({"0.26.0", "0.27.0", "0.33.0"}),  # 0.34.0 refuses these pairs (next entry)
         lambda f: (f.mode == "push" and f.kv_heads is not None and f.decode_tp > f.kv_heads
                    and f.prefill_tp < f.decode_tp),
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
         with_faults=_FAILURE),
+    KnownFinding(
+        "push-block-geometry-refused-0.34",
+        "docs/vllm.md: 0.34.0 refuses push between engines of different kernel block size or "
+        "kernel blocks per logical block (push_worker.py:149)",
+        frozenset({"0.34.0"}),
+        lambda f: f.mode == "push" and f.block_geometry_differs,
+        frozenset({REFUSED, DIFF}), _REFUSAL, vllm_outcomes=_any("handshake-error")),
     KnownFinding(
         "push-block-size-ratio-refused",
         "docs/vllm.md: push with a block size ratio is refused at prefill's reverse handshake",
@@ -153,7 +182,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "hybrid-failed-read-reported-loaded",
         "docs/vllm.md: a READ that fails on a hybrid model is reported as loaded",
-        frozenset({"0.26.0", "0.33.0"}),
+        frozenset({"0.26.0", "0.33.0", "0.34.0"}),
         lambda f: (f.mode == "pull" and f.is_hybrid
                    and (f.has_fault("fail-transfer") or f.has_fault("stall-transfer"))),
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING | _FAILURE),
@@ -208,6 +237,20 @@ KNOWN: tuple[KnownFinding, ...] = (
         lambda f: (f.mode == "push"
                    and f.has_fault("abort-request", "before-scheduling", "during-handshake")),
         frozenset({DIFF}), frozenset({"outcome"}) | _ACCOUNTING),
+    KnownFinding(
+        "unheld-state-slots-0.34",
+        "docs/vllm.md: 0.34.0 moves no state for cache-group slots that hold no layer (a "
+        "difference in bytes moved, no corruption)",
+        frozenset({"0.34.0"}),
+        lambda f: f.is_hybrid and f.uneven_groups,
+        frozenset({DIFF}), _ACCOUNTING, same_outcomes=True),
+    KnownFinding(
+        "sub-blocks-past-last-token-0.34",
+        "docs/vllm.md: 0.34.0 pairs blocks of different sizes by the last token and moves no "
+        "kernel block past it (a difference in bytes moved, no corruption)",
+        frozenset({"0.34.0"}),
+        lambda f: f.mode == "pull" and f.is_hybrid and f.block_geometry_differs,
+        frozenset({DIFF}), _ACCOUNTING, same_outcomes=True),
     KnownFinding(
         "design-push-registration-dropped",
         "reports/fuzz/README.md: hkvsim's coordinator drops a push registration of a request "

@@ -195,3 +195,47 @@ def test_allow_known_lets_a_run_whose_findings_are_all_explained_exit_0(monkeypa
         out = capsys.readouterr().out
         assert ("1 new" if known is None else "0 new") in out
         assert ("NEW" if known is None else f"[{known}]") in out
+
+
+def test_the_0_34_entries_need_their_release_deployment_and_shape() -> None:
+    """0.34.0 refuses push between engines of different block geometry (a hybrid's logical
+    block follows its TP) and moves fewer bytes than hkvsim's core in two hybrid cases; each
+    entry needs 0.34.0, its deployment and its shape."""
+    kimi = _facts(is_mla=True, is_hybrid=True, kv_heads=None, prefill_block=64, decode_block=64,
+                  prefill_blocks=(64, 640), decode_blocks=(64, 320), uneven_groups=True)
+    refused = _diff(("handshake", "outcome", "status"), outcomes=("ok", "handshake-error"))
+    push = dataclasses.replace(kimi, mode="push", prefill_tp=1, decode_tp=2)
+    assert explain(refused, push, "0.34.0") == "push-block-geometry-refused-0.34"
+    # 0.33.0 ran this pair (equal kernel blocks): a refusal there is new
+    assert explain(refused, push, "0.33.0") is None
+    same = dataclasses.replace(push, decode_blocks=(64, 640), decode_tp=1)
+    assert explain(refused, same, "0.34.0") is None  # equal geometry: a refusal is new
+    assert explain(refused, dataclasses.replace(push, mode="pull"), "0.34.0") is None
+    # fewer bytes, same outcomes: the unheld group slots of an uneven hybrid, push or pull
+    fewer = _diff(("descriptors", "nbytes", "per_rank"), outcomes=("ok", "ok"))
+    assert explain(fewer, same, "0.34.0") == "unheld-state-slots-0.34"
+    assert explain(fewer, same, "0.33.0") is None
+    even = dataclasses.replace(same, uneven_groups=False)
+    assert explain(fewer, even, "0.34.0") is None
+    # ... or kernel blocks past the last token, pulled between different block geometries
+    qwen = _facts(is_hybrid=True, kv_heads=2, prefill_blocks=(16, 16), decode_blocks=(64, 64),
+                  decode_block=64)
+    assert explain(fewer, qwen, "0.34.0") == "sub-blocks-past-last-token-0.34"
+    assert explain(fewer, dataclasses.replace(qwen, decode_blocks=(16, 16)), "0.34.0") is None
+    assert explain(fewer, dataclasses.replace(qwen, is_hybrid=False), "0.34.0") is None
+    # damage, or outcomes that part, are not a smaller transfer
+    assert explain(_diff(("byte_exact", "nbytes")), qwen, "0.34.0") is None
+    assert explain(_diff(("nbytes",), outcomes=("ok", "request-failure")), qwen, "0.34.0") is None
+
+
+def test_facts_read_block_geometry_and_uneven_groups_from_a_scenario() -> None:
+    text = ('[scenario]\nname = "f"\n[model]\npreset = "{p}"\n[prefill]\ntp = 1\n'
+            '[decode]\ntp = 2\n[workload]\nrequests = 1\nprompt_tokens = [100]\n')
+    kimi = facts(parse_scenarios(text.format(p="tiny-kimi-linear"), source="f.toml")[0])
+    # MLA pages do not shrink with TP, KDA state does: the logical block halves (640 -> 320)
+    assert (kimi.prefill_blocks, kimi.decode_blocks) == ((64, 640), (64, 320))
+    assert kimi.block_geometry_differs and kimi.uneven_groups  # 3 MLA, 7 KDA in groups of 3
+    qwen = facts(parse_scenarios(text.format(p="tiny-qwen3-next"), source="f.toml")[0])
+    assert not qwen.uneven_groups  # 3 attention, 9 GDN
+    llama = facts(parse_scenarios(text.format(p="tiny-llama"), source="f.toml")[0])
+    assert not llama.block_geometry_differs and not llama.uneven_groups

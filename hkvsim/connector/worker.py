@@ -75,6 +75,9 @@ class ReadRequest:
     prefill_blocks: Mapping[int, np.ndarray]  # group id -> prefill logical ids (clipped)
     decode_blocks: Mapping[int, np.ndarray]  # group id -> decode logical ids to fill (uncached)
     decode_hit_blocks: int = 0  # logical blocks decode holds from its prefix cache
+    # tokens prefill computed for the request (vLLM's ``remote_num_tokens``, which its proxy
+    # forwards; 0.34 pairs blocks of different sizes by it); None where the caller has no count
+    prefill_tokens: int | None = None
 
 
 @dataclass(kw_only=True)

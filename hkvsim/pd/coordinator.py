@@ -759,7 +759,8 @@ class Coordinator:
         req.enter(Phase.TRANSFERRING)
         read = ReadRequest(request_id=rec.request_id, prefill_request_id=p_rid,
                            remote_engine=prefill.engine_id, prefill_blocks=p_blocks,
-                           decode_blocks=job.load, decode_hit_blocks=job.hit_blocks)
+                           decode_blocks=job.load, decode_hit_blocks=job.hit_blocks,
+                           prefill_tokens=self.dep.prefill_tokens(rec.prompt_tokens))
         rec.times["transfer_start"] = self.now
         wait = _DecodeWait(done=self.sched.signal(), outcomes={}, expected=decode.tp)
         self._decode_waiters[rec.request_id] = wait

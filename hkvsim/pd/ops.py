@@ -87,6 +87,10 @@ def _typed(value: Any, kind: type, what: str) -> Any:
     return value
 
 
+def _optional_int(value: Any, what: str) -> int | None:
+    return None if value is None else _typed(value, int, what)
+
+
 # ---- operations -----------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class OracleWrite:
@@ -189,7 +193,7 @@ class StartRead:
     name: ClassVar[str] = "start_read"
     wire_fields: ClassVar[tuple[str, ...]] = (
         "request", "request_id", "prefill_request_id", "remote_engine", "prefill_blocks",
-        "decode_blocks", "decode_hit_blocks")
+        "decode_blocks", "decode_hit_blocks", "prefill_tokens")
     request: int  # the workload index the transfers are for
     read: ReadRequest
 
@@ -199,7 +203,7 @@ class StartRead:
                 "prefill_request_id": r.prefill_request_id, "remote_engine": r.remote_engine,
                 "prefill_blocks": _groups_out(r.prefill_blocks),
                 "decode_blocks": _groups_out(r.decode_blocks),
-                "decode_hit_blocks": r.decode_hit_blocks}
+                "decode_hit_blocks": r.decode_hit_blocks, "prefill_tokens": r.prefill_tokens}
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> StartRead:
@@ -209,7 +213,8 @@ class StartRead:
             remote_engine=_typed(d["remote_engine"], str, "remote_engine"),
             prefill_blocks=_groups_in(d["prefill_blocks"], "prefill_blocks"),
             decode_blocks=_groups_in(d["decode_blocks"], "decode_blocks"),
-            decode_hit_blocks=_typed(d["decode_hit_blocks"], int, "decode_hit_blocks")))
+            decode_hit_blocks=_typed(d["decode_hit_blocks"], int, "decode_hit_blocks"),
+            prefill_tokens=_optional_int(d["prefill_tokens"], "prefill_tokens")))
 
 
 @dataclass(frozen=True, kw_only=True)

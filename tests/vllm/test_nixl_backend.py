@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hkvsim.scenario import load_scenarios
+from release_expect import assert_push_refused_by_034, push_refused_by_034
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = ROOT / "scenarios" / "vllm"
@@ -67,10 +68,13 @@ def _byte_exact(result) -> bool:
                     for r in result.records))
 
 
-def _check(result, version: str, *, fails_026: bool, assert_026: str) -> None:
+def _check(result, scenario, version: str, *, fails_026: bool, assert_026: str) -> None:
     assert result.implementation == {"name": "vllm", "version": version}
     assert result.leaks["after_shutdown"] == 0 and result.leaks["open_handles"] == 0
-    if version in ("0.27.0", "0.33.0") or (version == "0.26.0" and not fails_026):
+    if version == "0.34.0" and scenario.connector.mode == "push" and push_refused_by_034(
+            scenario):  # refused at the handshake, in the real rank processes too
+        assert_push_refused_by_034(result, scenario.scenario.name)
+    elif version in ("0.27.0", "0.33.0", "0.34.0") or (version == "0.26.0" and not fails_026):
         assert _byte_exact(result), (result.outcome, [(r.status, r.reason)
                                                       for r in result.records])
     elif version == "0.26.0":  # fails loudly at vLLM's own assert, no byte corrupted
@@ -87,7 +91,7 @@ def _check(result, version: str, *, fails_026: bool, assert_026: str) -> None:
 def test_kimi_linear_pull_prefill_tp2_to_decode_tp1_on_nixl(vllm_required: str, nixl_available,
                                                             tmp_path: Path) -> None:
     s = _variant(VLLM / "pr49762-kimi-linear-pull.toml", 2, 1, "state-first")
-    _check(_run(s, tmp_path), vllm_required, fails_026=True, assert_026=PULL_ASSERT_026)
+    _check(_run(s, tmp_path), s, vllm_required, fails_026=True, assert_026=PULL_ASSERT_026)
 
 
 @pytest.mark.timeout(300)
@@ -95,14 +99,14 @@ def test_kimi_linear_push_prefill_tp1_to_decode_tp2_on_nixl(vllm_required: str, 
                                                             tmp_path: Path) -> None:
     s = _variant(VLLM / "pr49762-kimi-linear-push.toml", 1, 2)
     assert s.connector.mode == "push"
-    _check(_run(s, tmp_path), vllm_required, fails_026=True, assert_026=PUSH_ASSERT_026)
+    _check(_run(s, tmp_path), s, vllm_required, fails_026=True, assert_026=PUSH_ASSERT_026)
 
 
 @pytest.mark.timeout(300)
 def test_deepseek_pull_heterogeneous_tp_on_nixl(vllm_required: str, nixl_available,
                                                 tmp_path: Path) -> None:
     s = _variant(VLLM / "tp-matrix-tiny-deepseek.toml", 1, 2, "sorted")
-    _check(_run(s, tmp_path), vllm_required, fails_026=False, assert_026="")
+    _check(_run(s, tmp_path), s, vllm_required, fails_026=False, assert_026="")
 
 
 @pytest.mark.timeout(300)

@@ -15,6 +15,12 @@ from hkvsim.cli import main
 from hkvsim.cluster import run_scenario
 from hkvsim.implementations.vllm.engine import release_workers
 from hkvsim.scenario import ScenarioError, load_scenarios
+from release_expect import (
+    PUSH_GEOMETRY_034,
+    assert_push_refused_by_034,
+    beyond_034_accounting,
+    push_refused_by_034,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = ROOT / "scenarios" / "vllm" / "tp-matrix-tiny-deepseek.toml"
@@ -206,7 +212,8 @@ def test_gqa_hetero_tp_is_refused_by_both_and_vllm_leaks_the_refused_agent(
 def test_hybrid_prefix_caching_with_different_ppl_is_refused_by_both(vllm_required: str) -> None:
     """vLLM's own rule (hkvsim's V4) reads the engine's prefix-cache setting from its vLLM
     config: the harness passes each engine's, so vLLM refuses where the core does (with it
-    always off, vLLM went ahead and paired prefill's prefix with decode's suffix)."""
+    always off, vLLM went ahead and paired prefill's prefix with decode's suffix). 0.34.0's
+    push refuses the pair earlier, at its check of the block geometry (any differing ppl)."""
     from hkvsim.implementations.diff import compare_results, with_implementation
 
     path = ROOT / "scenarios" / "vllm" / "xfail-hybrid-prefix-cache-hetero-ppl.toml"
@@ -214,8 +221,9 @@ def test_hybrid_prefix_caching_with_different_ppl_is_refused_by_both(vllm_requir
         core = run_scenario(with_implementation(s, "hkvsim"))
         vllm = run_scenario(s)
         assert core.handshake_errors and "V4: " in core.handshake_errors[0]
-        assert vllm.handshake_errors and ("heterogeneous physical_blocks_per_logical"
-                                          in vllm.handshake_errors[0]), vllm.handshake_errors
+        why = (PUSH_GEOMETRY_034 if vllm_required == "0.34.0" and s.connector.mode == "push"
+               else "heterogeneous physical_blocks_per_logical")
+        assert vllm.handshake_errors and why in vllm.handshake_errors[0], vllm.handshake_errors
         assert vllm.corrupted == 0 and vllm.completed == 0
         assert compare_results(s.scenario.name, core, vllm) == []
 
@@ -248,11 +256,13 @@ def test_a_prefix_hit_with_a_block_size_ratio_is_shifted_by_vllm(vllm_required: 
     hit, vLLM splits decode's uncached blocks into sub-blocks and end-trims prefill's list to
     their count; when the prompt ends in the first half of a decode block the empty sub-block
     pulls in one prefill block from before the hit, every token lands 16 places late, and vLLM
-    reports success. hkvsim's core pairs from the hit's position and is byte-exact."""
+    reports success. hkvsim's core pairs from the hit's position and is byte-exact. Fixed in
+    0.34.0, which pairs the lists by the request's last token (``remote_num_tokens``, which the
+    harness forwards as vLLM's proxy does): byte-exact, nothing differs from hkvsim's core."""
     from hkvsim.implementations.diff import compare_results, with_implementation
 
     # request 0: 737 tokens, hit 64 (shifted); 1: 753, hit 64; 2: 737, no hit; 3: 768, hit 64
-    wrong = {"0.33.0": [0], "0.26.0": [0, 2]}.get(vllm_required)
+    wrong = {"0.34.0": [], "0.33.0": [0], "0.26.0": [0, 2]}.get(vllm_required)
     if wrong is None:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     for s in load_scenarios(ROOT / "scenarios" / "vllm" / "finding-bsr-prefix-hit.toml"):
@@ -261,6 +271,10 @@ def test_a_prefix_hit_with_a_block_size_ratio_is_shifted_by_vllm(vllm_required: 
         assert core.outcome == "ok" and core.mismatched_bytes == 0, name
         vllm = run_scenario(s)
         assert [r.status for r in vllm.records] == ["ok"] * 4, name  # success reported
+        if not wrong:  # fixed: byte-exact, the same descriptors and bytes as the core
+            assert vllm.outcome == "ok" and vllm.verified and vllm.mismatched_bytes == 0, name
+            assert compare_results(name, core, vllm) == [], name
+            continue
         assert [r.index for r in vllm.records if r.mismatched_words] == wrong, name
         assert vllm.outcome == "corruption" and vllm.corrupted == len(wrong), name
         shifted = vllm.records[0]
@@ -288,10 +302,11 @@ def test_mla_with_a_block_size_ratio_damages_a_half_covered_last_block(vllm_requ
     the request's prefill blocks end half way into a decode block, 0.33.0 zeroes that block's
     tail along the latent dimension (its post-process takes every cache as (blocks, heads,
     tokens, channels)), damaging the received token and leaving the tail stale; 0.26.0 leaves
-    the tail stale and the received tokens intact. hkvsim's core is byte-exact."""
+    the tail stale and the received tokens intact; 0.34.0 does as 0.33.0. hkvsim's core is
+    byte-exact."""
     from hkvsim.implementations.diff import with_implementation
 
-    received_damaged = {"0.33.0": True, "0.26.0": False}.get(vllm_required)
+    received_damaged = {"0.34.0": True, "0.33.0": True, "0.26.0": False}.get(vllm_required)
     if received_damaged is None:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     path = ROOT / "scenarios" / "vllm" / "finding-mla-block-size-ratio.toml"
@@ -320,11 +335,11 @@ def test_a_second_remote_rank_of_a_smaller_block_size_leaks_a_list_in_0_26(vllm_
     """A vLLM finding (docs/vllm.md), found by hkvsim fuzz: 0.26.0 prepares a local descriptor
     list per remote rank registration with a block size ratio and keeps only the last under its
     block size, so one prepared list per extra remote rank (a second prefill rank, or a second
-    prefill instance) is left after shutdown; 0.33.0 prepares it once. Both byte-exact, as is
-    hkvsim's core, which leaves nothing behind."""
+    prefill instance) is left after shutdown; 0.33.0 and 0.34.0 prepare it once. All
+    byte-exact, as is hkvsim's core, which leaves nothing behind."""
     from hkvsim.implementations.diff import with_implementation
 
-    leaked = {"0.33.0": 0, "0.26.0": 1}.get(vllm_required)
+    leaked = {"0.34.0": 0, "0.33.0": 0, "0.26.0": 1}.get(vllm_required)
     if leaked is None:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     path = ROOT / "scenarios" / "vllm" / "finding-bsr-local-list-leak.toml"
@@ -359,7 +374,8 @@ def test_a_full_prefix_hit_on_a_hybrid_pulls_nothing(vllm_required: str) -> None
         vllm = run_scenario(s)
         assert vllm.outcome == "ok" and vllm.mismatched_bytes == 0, name  # freed by notification
         assert vllm.records[1].transfers == 0, name
-        assert compare_results(name, core, vllm) == [], name
+        found = compare_results(name, core, vllm)
+        assert beyond_034_accounting(found, s, vllm_required) == [], name
 
 
 @pytest.mark.timeout(300)
@@ -376,6 +392,7 @@ def test_a_request_decode_gives_up_before_reading_frees_prefill_by_notification(
         s = s.model_copy(update={"faults": faults})
         name = s.scenario.name
         found, core, vllm = diff_scenario(s)
+        found = beyond_034_accounting(found, s, vllm_required)
         assert found == [], [str(d) for d in found]
         assert vllm.outcome == "ok" and vllm.counters["lease_expiries"] == 0, name
         assert [r.status for r in vllm.records] == ["ok", "aborted", "ok"], name
@@ -428,7 +445,7 @@ def test_a_failed_read_of_a_hybrid_is_reported_as_loaded_by_vllm(vllm_required: 
     hkvsim's core fails it as transfer_failed. The harness reports what vLLM says."""
     from hkvsim.implementations.diff import with_implementation
 
-    if vllm_required not in ("0.33.0", "0.26.0"):
+    if vllm_required not in ("0.34.0", "0.33.0", "0.26.0"):
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     path = ROOT / "scenarios" / "vllm" / "finding-hybrid-failed-transfer.toml"
     for s in load_scenarios(path):
@@ -456,10 +473,13 @@ def test_a_failed_write_fails_its_push_request(vllm_required: str) -> None:
     empties its own record of that in the same call): the harness sees it through vLLM's checks
     of its WRITEs, so the request fails as in hkvsim's core instead of the run hanging. 0.26.0
     never reports it (hkvsim's watchdog fails it as a stall), and its next poll on that prefill
-    rank trips an assert that fails the next request (docs/vllm.md)."""
+    rank trips an assert that fails the next request (docs/vllm.md). 0.34.0 does as 0.33.0,
+    and refuses the KimiLinear pair (P TP2 -> D TP1: different kernel blocks per logical
+    block) at the handshake."""
     from hkvsim.implementations.diff import compare_results, with_implementation
 
-    expected = {"0.33.0": (["ok", "failed", "ok"], "transfer_failed"),
+    expected = {"0.34.0": (["ok", "failed", "ok"], "transfer_failed"),
+                "0.33.0": (["ok", "failed", "ok"], "transfer_failed"),
                 "0.26.0": (["ok", "failed", "failed"], "stall")}.get(vllm_required)
     if expected is None:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
@@ -469,10 +489,13 @@ def test_a_failed_write_fails_its_push_request(vllm_required: str) -> None:
         core = run_scenario(with_implementation(s, "hkvsim"))
         assert [r.status for r in core.records] == ["ok", "failed", "ok"], name
         vllm = run_scenario(s)
+        if vllm_required == "0.34.0" and push_refused_by_034(s):
+            assert_push_refused_by_034(vllm, name)
+            continue
         assert vllm.hung == 0 and vllm.mismatched_bytes == 0, name
         assert [r.status for r in vllm.records] == statuses, name
         assert vllm.records[1].failure_class == failure, name
-        if vllm_required == "0.33.0":
+        if vllm_required in ("0.33.0", "0.34.0"):
             assert compare_results(name, core, vllm) == [], name
         else:
             assert "not found in recving_metadata" in (vllm.records[2].reason or ""), name
@@ -494,6 +517,7 @@ def test_a_read_stalled_past_the_watchdog_is_waited_out_as_in_hkvsims_core(
     for s in load_scenarios(ROOT / "scenarios" / "vllm" / "watchdog-stall.toml"):
         name = s.scenario.name
         found, core, vllm = diff_scenario(s)
+        found = beyond_034_accounting(found, s, vllm_required)
         assert found == [], [str(d) for d in found]
         stalled, expected = vllm.records[1], core.records[1]
         assert stalled.telemetry == [] and expected.telemetry == [], name
@@ -520,7 +544,7 @@ def test_a_request_vllm_failed_is_classed_by_what_nixl_told_it(vllm_required: st
     no decode block quarantined."""
     from hkvsim.implementations.diff import diff_scenario
 
-    if vllm_required not in ("0.33.0", "0.26.0"):
+    if vllm_required not in ("0.34.0", "0.33.0", "0.26.0"):
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     old_push = {"poll": "vllm_failure", "setup": "stall"}
     for phase, failure in (("poll", "transfer_exception"), ("setup", "transfer_setup_failed")):
@@ -553,7 +577,8 @@ def test_a_request_vllm_failed_is_classed_by_what_nixl_told_it(vllm_required: st
 @pytest.mark.timeout(300)
 def test_push_with_a_block_size_ratio_is_refused_by_vllm(vllm_required: str) -> None:
     """vLLM's push refuses a decode block larger than prefill's at the reverse handshake (an
-    assert in its block-size-ratio helper), loudly; hkvsim's core writes the sub-blocks."""
+    assert in its block-size-ratio helper), loudly; 0.34.0 refuses any push between engines of
+    different block geometry, naming its own check. hkvsim's core writes the sub-blocks."""
     from hkvsim.implementations.diff import with_implementation
 
     for s in load_scenarios(ROOT / "scenarios" / "vllm" / "xfail-push-block-size-ratio.toml"):
@@ -562,7 +587,10 @@ def test_push_with_a_block_size_ratio_is_refused_by_vllm(vllm_required: str) -> 
         vllm = run_scenario(s)
         assert vllm.outcome == "handshake-error" and vllm.corrupted == 0
         (error,) = vllm.handshake_errors
-        assert "utils.py:" in error and "not divisible by remote block size 32" in error
+        if vllm_required == "0.34.0":
+            assert PUSH_GEOMETRY_034 in error and "local (16, 1), remote engine" in error, error
+        else:
+            assert "utils.py:" in error and "not divisible by remote block size 32" in error
         assert [r.failure_class for r in vllm.records] == ["handshake_failed"] * 2
 
 
@@ -660,6 +688,10 @@ def test_kill_rank_fails_the_same_requests_as_hkvsims_core(vllm_required: str) -
                 and s.connector.mode == "push":  # its #49762 push assert fires first
             assert all(r.failure_class == "vllm_failure" for r in vllm.records)
             continue
+        if vllm_required == "0.34.0" and push_refused_by_034(s):
+            assert_push_refused_by_034(vllm, s.scenario.name)
+            continue
+        found = beyond_034_accounting(found, s, vllm_required)
         assert found == [], [str(d) for d in found]
         assert [r.failure_class for r in vllm.records] == [
             None, "remote_disconnect", "remote_disconnect"], s.scenario.name
@@ -754,3 +786,38 @@ def test_a_run_that_raises_still_ends_its_vllm_workers(vllm_required: str) -> No
         release_workers()
     assert count == 0, f"{count} vLLM worker(s) alive after the raising run, held by {held}"
     assert errors == [], errors
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("forwarded", [True, False])
+def test_the_harness_forwards_remote_num_tokens_as_vllms_proxy_does(
+        vllm_required: str, monkeypatch, forwarded: bool) -> None:
+    """vLLM's proxy hands decode prefill's ``kv_transfer_params``, ``remote_num_tokens`` (the
+    tokens prefill computed: N for a model without state) among them. 0.34.0 pairs blocks of
+    different sizes by it and declines such a pull without it, recording no failure, so the
+    request waits for hkvsim's watchdog. The harness forwards it; earlier releases do not need
+    it here."""
+    from hkvsim.implementations.vllm import engine
+
+    real = engine.VllmHarness.start_load
+    seen: list[int | None] = []
+
+    def start_load(self, rank, rid, prid, prefill, local, remote, prefill_tokens=None):
+        seen.append(prefill_tokens)
+        return real(self, rank, rid, prid, prefill, local, remote,
+                    prefill_tokens=prefill_tokens if forwarded else None)
+
+    monkeypatch.setattr(engine.VllmHarness, "start_load", start_load)
+    s = load_scenarios(ROOT / "scenarios" / "vllm" / "gqa-hnd-block-size-ratio.toml")[0]
+    assert (s.prefill.block_size, s.decode.block_size) == (16, 32)
+    result = run_scenario(s)
+    assert seen == list(s.workload.prompt_tokens)  # one decode rank, N tokens each
+    if vllm_required == "0.34.0" and not forwarded:
+        assert [(r.status, r.failure_class) for r in result.records] == [("failed", "stall")] * 3
+        assert result.corrupted == 0
+    elif vllm_required == "0.26.0":  # its own finding, with or without the count: a stale tail
+        assert [r.status for r in result.records] == ["ok"] * 3
+        assert result.outcome == "corruption" and all(
+            "untransferred tail" in m for r in result.records for m in r.mismatches)
+    else:
+        assert result.outcome == "ok" and result.verified and result.mismatched_bytes == 0

@@ -17,7 +17,7 @@ file:line (:class:`VllmFailure`), never an hkvsim crash.
 Push: every rank runs vLLM's push worker without its writer thread; the harness calls its
 ``_do_start_push_kv`` once hkvsim's coordinator has matched a registration (:meth:`start_push`).
 
-Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0 and 0.33.0, pull and push; MLA, GQA (HND and NHD
+Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0, 0.33.0 and 0.34.0, pull and push; MLA, GQA (HND and NHD
 caches), and the hybrids with KDA or GDN state (handed to vLLM as a GDN ``MambaSpec`` over the shared tensors).
 """
 
@@ -49,8 +49,8 @@ __all__ = ["VllmUnavailable", "VllmFailure", "SUPPORTED_VERSIONS", "load_vllm", 
 
 log = logging.getLogger("hkvsim.vllm")
 
-SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.33.0")
-RUNNABLE_VERSIONS = ("0.26.0", "0.27.0", "0.33.0")  # the versions this harness drives
+SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.33.0", "0.34.0")
+RUNNABLE_VERSIONS = ("0.26.0", "0.27.0", "0.33.0", "0.34.0")  # the versions this harness drives
 PROVISION_HINT = "scripts/with-vllm 0.33.0 hkvsim run FILE"
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 _CLOCK_MODULES = ("base_worker", "pull_worker", "push_worker", "base_scheduler",
@@ -496,12 +496,13 @@ class VllmHarness:
         kv = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both",
                               kv_buffer_device="cuda",
                               kv_connector_extra_config={"enforce_handshake_compat": True})
-        config = VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=kv,
-                          parallel_config=ParallelConfig(tensor_parallel_size=layout.tp),
-                          scheduler_config=SchedulerConfig(max_model_len=1 << 14,
-                                                           is_encoder_decoder=False,
-                                                           max_num_batched_tokens=1 << 14),
-                          device_config=DeviceConfig("cpu"))
+        with _cpu_platform_without_triton_check():
+            config = VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=kv,
+                                parallel_config=ParallelConfig(tensor_parallel_size=layout.tp),
+                                scheduler_config=SchedulerConfig(max_model_len=1 << 14,
+                                                                 is_encoder_decoder=False,
+                                                                 max_num_batched_tokens=1 << 14),
+                                device_config=DeviceConfig("cpu"))
         # vLLM's CPU platform rewrites the block size for its own attention backend; the engine
         # this stands for runs the GPU backend the layout names
         config.cache_config.block_size = layout.logical_block_size
@@ -614,9 +615,12 @@ class VllmHarness:
 
     # ---- pulls ----------------------------------------------------------------------------
     def start_load(self, rank: VllmRank, request_id: str, prefill_request_id: str,
-                   prefill: str, local: tuple[list[int], ...], remote: tuple[list[int], ...]
-                   ) -> VllmFailure | None:
-        """vLLM's ``start_load_kv`` on one decode rank for one request (block ids per group)."""
+                   prefill: str, local: tuple[list[int], ...], remote: tuple[list[int], ...],
+                   prefill_tokens: int | None = None) -> VllmFailure | None:
+        """vLLM's ``start_load_kv`` on one decode rank for one request (block ids per group).
+        ``prefill_tokens``: the tokens prefill computed, which vLLM's proxy forwards from
+        prefill's ``kv_transfer_params`` as ``remote_num_tokens`` (0.34 pairs blocks of
+        different sizes by the last token and declines the read without it)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             NixlConnectorMetadata,
             RemoteMeta,
@@ -629,11 +633,14 @@ class VllmHarness:
             return failure
         meta = NixlConnectorMetadata()
         extra = {"awaiting_kvs": True} if "awaiting_kvs" in _params(ReqMeta) else {}  # >= 0.27
+        remote_extra = ({"num_tokens": prefill_tokens}
+                        if prefill_tokens is not None and "num_tokens" in _params(RemoteMeta)
+                        else {})  # >= 0.33
         meta.reqs_to_recv[request_id] = ReqMeta(
             local_block_ids=local, local_physical_block_ids=local,
             tp_size=prefill_tp, **extra,
             remote=RemoteMeta(block_ids=remote, host=prefill, port=5600, engine_id=prefill,
-                              request_id=prefill_request_id))
+                              request_id=prefill_request_id, **remote_extra))
         meta.reqs_in_batch.add(request_id)
         try:
             rank.worker.start_load_kv(meta)
@@ -796,6 +803,29 @@ def _install_patches() -> None:
     if hasattr(bw, "select_common_block_size"):
         bw.select_common_block_size = lambda *_a, **_k: _building().layout.kernel_block_size
     _PATCHED.append(True)
+
+
+@contextlib.contextmanager
+def _cpu_platform_without_triton_check() -> Iterator[None]:
+    """vLLM 0.34 refuses to configure an engine on an x86 CPU without Triton (its CPU model
+    runner needs triton-cpu). The engine built here stands for a GPU engine and runs no model,
+    so the check does not apply: while the config is built, vLLM reads Triton as present. The
+    flag is restored afterwards, and Triton itself is never imported: the package that would
+    import it (``vllm.triton_utils``) is imported here first, with the flag as it really is."""
+    import importlib
+
+    try:
+        importing = importlib.import_module("vllm.triton_utils.importing")
+        package = importlib.import_module("vllm.triton_utils")
+    except ImportError:  # releases without the check
+        yield
+        return
+    saved = (importing.HAS_TRITON, package.HAS_TRITON)
+    importing.HAS_TRITON = package.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        importing.HAS_TRITON, package.HAS_TRITON = saved
 
 
 def vllm_layout_name(layout: EngineLayout, version: str) -> str:

@@ -169,7 +169,8 @@ class VllmConnectorWorker:
         agent = self.vllm.agent
         before = agent.created_handles()
         failure = self.harness.start_load(self.vllm, req.request_id, req.prefill_request_id,
-                                          req.remote_engine, local, remote)
+                                          req.remote_engine, local, remote,
+                                          prefill_tokens=req.prefill_tokens)
         flight = _Flight(outcome=outcome, handles=agent.created_handles()[len(before):],
                          local_blocks={b for g in local for b in g})
         if failure is not None:
