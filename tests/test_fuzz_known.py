@@ -225,6 +225,8 @@ def test_the_0_34_entries_need_their_release_deployment_and_shape() -> None:
     assert explain(fewer, qwen, "0.34.0") == "sub-blocks-past-last-token-0.34"
     assert explain(fewer, dataclasses.replace(qwen, decode_blocks=(16, 16)), "0.34.0") is None
     assert explain(fewer, dataclasses.replace(qwen, is_hybrid=False), "0.34.0") is None
+    # a push across those geometries is refused in 0.34.0: one that ran and moved less is new
+    assert explain(fewer, dataclasses.replace(qwen, mode="push"), "0.34.0") is None
     # damage, or outcomes that part, are not a smaller transfer
     assert explain(_diff(("byte_exact", "nbytes")), qwen, "0.34.0") is None
     assert explain(_diff(("nbytes",), outcomes=("ok", "request-failure")), qwen, "0.34.0") is None
