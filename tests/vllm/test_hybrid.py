@@ -44,6 +44,17 @@ def test_kimi_linear_tp_matrix_per_release(vllm_required: str) -> None:
     _check_per_release(scenarios, vllm_required)
 
 
+@pytest.mark.timeout(300)
+def test_kimi_linear_pull_with_n_minus_1_on_kernel_block_boundaries_per_release(
+        vllm_required: str) -> None:
+    # 0.34.0 pairs blocks of different logical sizes by remote_num_tokens: the harness must
+    # forward N-1 for a model with state (N pairs these prompts a kernel block apart)
+    scenarios = load_scenarios(VLLM / "hybrid-pull-block-boundary.toml")
+    assert all(s.prefill.tp != s.decode.tp for s in scenarios)
+    assert [(n - 1) % 64 for n in scenarios[0].workload.prompt_tokens] == [0, 0, 0, 59]
+    _check_per_release(scenarios, vllm_required)
+
+
 PUSH_ASSERT_026 = "push_worker.py:518: assert len(plan.all_source_ranks) == 1"
 
 
