@@ -49,7 +49,7 @@ EXAMPLES = [
     StartRead(request=4, read=ReadRequest(request_id="req-4-aa", prefill_request_id="req-4-bb",
                                           remote_engine="prefill0", prefill_blocks=BLOCKS,
                                           decode_blocks={0: np.array([1, 2, 3])},
-                                          decode_hit_blocks=2)),
+                                          decode_hit_blocks=2, prefill_tokens=699)),
     StartWrite(request=1, write=WriteRequest(prefill_request_id="req-1-0a0b",
                                              registration=REGISTRATION, prefill_blocks=BLOCKS)),
     Abort(request_id="req-7", reason="watchdog", failure_class="timeout"),
@@ -113,6 +113,10 @@ def _start_read() -> dict:
     (lambda m: m.update(decode_blocks=[[0, [1, -2]]]), "decode_blocks[0] must hold non-negative"),
     (lambda m: m.update(decode_blocks=[[0, [1, False]]]), "must hold non-negative ints"),
     (lambda m: m.update(decode_blocks=[[0, "12"]]), "must be a list of at most"),
+    (lambda m: m.update(prefill_tokens="699"), "prefill_tokens must be a non-negative int or None"),
+    (lambda m: m.update(prefill_tokens=-1), "prefill_tokens must be a non-negative int or None"),
+    (lambda m: m.update(prefill_tokens=True), "prefill_tokens must be a non-negative int or None"),
+    (lambda m: m.pop("prefill_tokens"), "missing ['prefill_tokens']"),
 ])
 def test_a_malformed_start_read_is_refused_naming_what_is_wrong(change, message) -> None:
     wire = _start_read()

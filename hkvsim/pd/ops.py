@@ -87,8 +87,12 @@ def _typed(value: Any, kind: type, what: str) -> Any:
     return value
 
 
-def _optional_int(value: Any, what: str) -> int | None:
-    return None if value is None else _typed(value, int, what)
+def _optional_count(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise WireError(f"{what} must be a non-negative int or None, got {value!r}")
+    return value
 
 
 # ---- operations -----------------------------------------------------------------------------
@@ -214,7 +218,7 @@ class StartRead:
             prefill_blocks=_groups_in(d["prefill_blocks"], "prefill_blocks"),
             decode_blocks=_groups_in(d["decode_blocks"], "decode_blocks"),
             decode_hit_blocks=_typed(d["decode_hit_blocks"], int, "decode_hit_blocks"),
-            prefill_tokens=_optional_int(d["prefill_tokens"], "prefill_tokens")))
+            prefill_tokens=_optional_count(d["prefill_tokens"], "prefill_tokens")))
 
 
 @dataclass(frozen=True, kw_only=True)
