@@ -143,11 +143,15 @@ class Finding:
     fields: tuple[str, ...] = ()  # a diff: the fields that differ
     outcomes: tuple[str, str] | None = None  # a diff: (hkvsim's, vLLM's) run outcome
     known: str | None = None  # the documented vLLM finding that explains it (fuzz_known)
+    # a diff: vLLM moved fewer bytes than hkvsim's core in every request whose bytes differ
+    # (None: not recorded, as in reports written before it was)
+    vllm_moved_less: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "implementation": self.implementation,
                 "detail": self.detail, "signature": self.signature, "known": self.known} | (
-                    {"fields": list(self.fields), "outcomes": list(self.outcomes)}
+                    {"fields": list(self.fields), "outcomes": list(self.outcomes),
+                     "vllm_moved_less": self.vllm_moved_less}
                     if self.outcomes is not None else {})
 
 
@@ -449,11 +453,13 @@ def run_case(case: FuzzCase, options: FuzzOptions, *, run: Callable[[Any], Any] 
             fields = sorted({d.field for d in diffs})
             pair = (results["hkvsim"].outcome, results["vllm"].outcome)
             outcomes = f"hkvsim {pair[0]}, vllm {pair[1]}"
+            nbytes = [d for d in diffs if d.field == "nbytes"]
             case.findings.append(Finding(
                 "diff", "both", "; ".join(str(d) for d in diffs[:6])
                 + (f" (and {len(diffs) - 6} more)" if len(diffs) > 6 else ""),
                 f"both: diff: {', '.join(fields)} ({outcomes}) | {where}",
-                fields=tuple(fields), outcomes=pair))
+                fields=tuple(fields), outcomes=pair,
+                vllm_moved_less=bool(nbytes) and all(d.vllm < d.hkvsim for d in nbytes)))
     if case.findings and options.implementation != "hkvsim":
         from .fuzz_known import explain, facts
 

@@ -122,6 +122,7 @@ class KnownFinding:
     with_faults: frozenset[str] = frozenset()  # more fields a difference may show under faults
     outcome_with_faults: bool = True  # False: under faults vLLM's outcome is not checked
     same_outcomes: bool = False  # a difference only where both runs ended the same way
+    moves_less: bool = False  # a difference only where vLLM moved fewer bytes in every request
 
 
 def _any(*outcomes: str) -> frozenset[str]:
@@ -243,14 +244,14 @@ KNOWN: tuple[KnownFinding, ...] = (
         "difference in bytes moved, no corruption)",
         frozenset({"0.34.0"}),
         lambda f: f.is_hybrid and f.uneven_groups,
-        frozenset({DIFF}), _ACCOUNTING, same_outcomes=True),
+        frozenset({DIFF}), _ACCOUNTING, same_outcomes=True, moves_less=True),
     KnownFinding(
         "sub-blocks-past-last-token-0.34",
         "docs/vllm.md: 0.34.0 pairs blocks of different sizes by the last token and moves no "
         "kernel block past it (a difference in bytes moved, no corruption)",
         frozenset({"0.34.0"}),
         lambda f: f.mode == "pull" and f.is_hybrid and f.block_geometry_differs,
-        frozenset({DIFF}), _ACCOUNTING, same_outcomes=True),
+        frozenset({DIFF}), _ACCOUNTING, same_outcomes=True, moves_less=True),
     KnownFinding(
         "design-push-registration-dropped",
         "reports/fuzz/README.md: hkvsim's coordinator drops a push registration of a request "
@@ -309,6 +310,8 @@ def explain(finding: Any, f: Facts, version: str | None) -> str | None:
                 continue
             if known.same_outcomes and (finding.outcomes is None
                                         or finding.outcomes[0] != finding.outcomes[1]):
+                continue
+            if known.moves_less and finding.vllm_moved_less is not True:
                 continue
         return known.name
     return None

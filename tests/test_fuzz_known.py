@@ -162,6 +162,7 @@ def test_the_committed_vllm_reports_are_explained_as_they_say(folder) -> None:
         for stored in case["findings"]:
             finding = Finding(stored["kind"], stored["implementation"], stored["detail"],
                               stored["signature"], fields=tuple(stored.get("fields", ())),
+                              vllm_moved_less=stored.get("vllm_moved_less"),
                               outcomes=tuple(stored["outcomes"]) if stored.get("outcomes")
                               else None)
             assert explain(finding, deployment, data["vllm_version"]) == stored["known"], (
@@ -212,7 +213,11 @@ def test_the_0_34_entries_need_their_release_deployment_and_shape() -> None:
     assert explain(refused, same, "0.34.0") is None  # equal geometry: a refusal is new
     assert explain(refused, dataclasses.replace(push, mode="pull"), "0.34.0") is None
     # fewer bytes, same outcomes: the unheld group slots of an uneven hybrid, push or pull
-    fewer = _diff(("descriptors", "nbytes", "per_rank"), outcomes=("ok", "ok"))
+    fewer = dataclasses.replace(_diff(("descriptors", "nbytes", "per_rank"), outcomes=("ok", "ok")),
+                                vllm_moved_less=True)
+    # vLLM moving more, or a report that did not record which, is not a smaller transfer
+    for more in (False, None):
+        assert explain(dataclasses.replace(fewer, vllm_moved_less=more), same, "0.34.0") is None
     assert explain(fewer, same, "0.34.0") == "unheld-state-slots-0.34"
     assert explain(fewer, same, "0.33.0") is None
     even = dataclasses.replace(same, uneven_groups=False)
