@@ -50,6 +50,7 @@ import threading
 import time
 import traceback
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +154,13 @@ class Finding:
                     {"fields": list(self.fields), "outcomes": list(self.outcomes),
                      "vllm_moved_less": self.vllm_moved_less}
                     if self.outcomes is not None else {})
+
+
+def vllm_moved_less(diffs: Sequence[Any]) -> bool:
+    """Whether vLLM moved fewer bytes than hkvsim's core in every request whose bytes differ
+    (``diffs``: ``compare_results``' differences; False where no request's bytes differ)."""
+    nbytes = [d for d in diffs if d.field == "nbytes"]
+    return bool(nbytes) and all(d.vllm < d.hkvsim for d in nbytes)
 
 
 @dataclass
@@ -453,13 +461,12 @@ def run_case(case: FuzzCase, options: FuzzOptions, *, run: Callable[[Any], Any] 
             fields = sorted({d.field for d in diffs})
             pair = (results["hkvsim"].outcome, results["vllm"].outcome)
             outcomes = f"hkvsim {pair[0]}, vllm {pair[1]}"
-            nbytes = [d for d in diffs if d.field == "nbytes"]
             case.findings.append(Finding(
                 "diff", "both", "; ".join(str(d) for d in diffs[:6])
                 + (f" (and {len(diffs) - 6} more)" if len(diffs) > 6 else ""),
                 f"both: diff: {', '.join(fields)} ({outcomes}) | {where}",
                 fields=tuple(fields), outcomes=pair,
-                vllm_moved_less=bool(nbytes) and all(d.vllm < d.hkvsim for d in nbytes)))
+                vllm_moved_less=vllm_moved_less(diffs)))
     if case.findings and options.implementation != "hkvsim":
         from .fuzz_known import explain, facts
 

@@ -248,3 +248,17 @@ def test_facts_read_block_geometry_and_uneven_groups_from_a_scenario() -> None:
     assert not qwen.uneven_groups  # 3 attention, 9 GDN
     llama = facts(parse_scenarios(text.format(p="tiny-llama"), source="f.toml")[0])
     assert not llama.block_geometry_differs and not llama.uneven_groups
+
+
+def test_vllm_moved_less_only_where_every_request_whose_bytes_differ_moved_less() -> None:
+    from hkvsim.fuzz import vllm_moved_less
+    from hkvsim.implementations.diff import Difference
+
+    def nbytes(request: int, core: int, vllm: int) -> Difference:
+        return Difference("v", request, "nbytes", core, vllm)
+
+    descriptors = Difference("v", 0, "descriptors", 126, 118)
+    assert vllm_moved_less([descriptors, nbytes(0, 1410048, 1260544), nbytes(2, 918528, 769024)])
+    assert not vllm_moved_less([nbytes(0, 1410048, 1260544), nbytes(2, 918528, 918529)])
+    assert not vllm_moved_less([descriptors])  # no request's bytes differ
+    assert not vllm_moved_less([])
