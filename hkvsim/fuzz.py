@@ -163,6 +163,18 @@ def vllm_moved_less(diffs: Sequence[Any]) -> bool:
     return bool(nbytes) and all(d.vllm < d.hkvsim for d in nbytes)
 
 
+def diff_finding(diffs: Sequence[Any], core: Any, vllm: Any, where: str) -> Finding:
+    """The finding ``diffs`` (``compare_results`` of hkvsim's core's run ``core`` and vLLM's
+    run ``vllm``) make, signed by ``where`` (the model and the mode)."""
+    fields = sorted({d.field for d in diffs})
+    pair = (core.outcome, vllm.outcome)
+    return Finding(
+        "diff", "both", "; ".join(str(d) for d in diffs[:6])
+        + (f" (and {len(diffs) - 6} more)" if len(diffs) > 6 else ""),
+        f"both: diff: {', '.join(fields)} (hkvsim {pair[0]}, vllm {pair[1]}) | {where}",
+        fields=tuple(fields), outcomes=pair, vllm_moved_less=vllm_moved_less(diffs))
+
+
 @dataclass
 class FuzzCase:
     index: int
@@ -458,15 +470,7 @@ def run_case(case: FuzzCase, options: FuzzOptions, *, run: Callable[[Any], Any] 
     if len(results) == 2:
         diffs = compare_results(scenario.scenario.name, results["hkvsim"], results["vllm"])
         if diffs:
-            fields = sorted({d.field for d in diffs})
-            pair = (results["hkvsim"].outcome, results["vllm"].outcome)
-            outcomes = f"hkvsim {pair[0]}, vllm {pair[1]}"
-            case.findings.append(Finding(
-                "diff", "both", "; ".join(str(d) for d in diffs[:6])
-                + (f" (and {len(diffs) - 6} more)" if len(diffs) > 6 else ""),
-                f"both: diff: {', '.join(fields)} ({outcomes}) | {where}",
-                fields=tuple(fields), outcomes=pair,
-                vllm_moved_less=vllm_moved_less(diffs)))
+            case.findings.append(diff_finding(diffs, results["hkvsim"], results["vllm"], where))
     if case.findings and options.implementation != "hkvsim":
         from .fuzz_known import explain, facts
 

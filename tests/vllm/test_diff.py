@@ -12,6 +12,8 @@ from hkvsim.cluster import run_scenario
 from hkvsim.implementations.diff import compare_results, with_implementation
 from hkvsim.scenario import load_scenarios
 
+ROOT = Path(__file__).resolve().parents[2]
+
 TEXT = """
 [scenario]
 name = "d"
@@ -113,6 +115,34 @@ def test_diff_agrees_on_mla_pull_and_reports_a_planted_divergence(
     out = capsys.readouterr().out
     assert "run: outcome: hkvsim 'ok', vllm 'corruption'" in out
     assert "request 0: byte_exact: hkvsim True, vllm False" in out
+    # no documented vLLM finding explains it (MLA pull at equal block sizes): new, and
+    # --allow-known does not excuse it
+    assert "difference(s) [NEW: no documented vLLM finding explains them]" in out
+    assert "1 variant(s) with differences no documented vLLM finding explains" in out
+    assert main(["diff", str(path), "--allow-known", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["variants"][0]["known"] is None
+
+
+def test_diff_names_the_documented_finding_behind_a_variants_differences(
+        vllm_required: str, capsys) -> None:
+    # the MLA block-size-ratio damage, every release driven in CI
+    mla = ROOT / "scenarios" / "vllm" / "finding-mla-block-size-ratio.toml"
+    assert main(["diff", str(mla), "--json"]) == 1
+    variants = json.loads(capsys.readouterr().out)["variants"]
+    assert [v["known"] for v in variants] == ["mla-block-size-ratio-last-block"] * len(variants)
+    assert main(["diff", str(mla), "--allow-known"]) == 0
+    out = capsys.readouterr().out
+    assert "difference(s) [mla-block-size-ratio-last-block]" in out
+    # KimiLinear: 0.34.0 moves no state for the cache-group slots no layer holds; the earlier
+    # releases move what hkvsim's core moves
+    hybrid = ROOT / "scenarios" / "vllm" / "pull-full-prefix-hit-hybrid.toml"
+    status = main(["diff", str(hybrid), "--json"])
+    variants = json.loads(capsys.readouterr().out)["variants"]
+    if vllm_required == "0.34.0":
+        assert status == 1 and all(v["differences"] for v in variants)
+        assert {v["known"] for v in variants} == {"unheld-state-slots-0.34"}
+    else:
+        assert status == 0 and not any(v["differences"] or v["known"] for v in variants)
 
 
 def test_fuzz_runs_both_connectors_and_reproduces_its_findings(vllm_required, tmp_path) -> None:
