@@ -17,8 +17,9 @@ file:line (:class:`VllmFailure`), never an hkvsim crash.
 Push: every rank runs vLLM's push worker without its writer thread; the harness calls its
 ``_do_start_push_kv`` once hkvsim's coordinator has matched a registration (:meth:`start_push`).
 
-Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0, 0.33.0 and 0.34.0, pull and push; MLA, GQA (HND and NHD
-caches), and the hybrids with KDA or GDN state (handed to vLLM as a GDN ``MambaSpec`` over the shared tensors).
+Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0, 0.33.0 and 0.34.0, pull and push; MLA, GQA
+(HND and NHD caches), and the hybrids with KDA or GDN state (handed to vLLM as a GDN
+``MambaSpec`` over the shared tensors).
 """
 
 from __future__ import annotations
