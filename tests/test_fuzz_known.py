@@ -20,7 +20,8 @@ REPORTS = Path(__file__).resolve().parent.parent / "reports" / "fuzz"
 VLLM_REPORTS = ("vllm-0.33.0", "vllm-0.26.0", "vllm-0.33.0-faults", "vllm-0.33.0-seed11",
                 "vllm-0.26.0-faults", "vllm-0.33.0-kimi-faults", "vllm-0.34.0",
                 "vllm-0.34.0-faults", "vllm-0.34.0-kimi", "vllm-0.34.0-kimi-faults",
-                "vllm-0.34.0-seed11", "nixl-vllm-0.34.0")
+                "vllm-0.34.0-seed11", "vllm-0.34.0-faults-seed31", "vllm-0.34.0-qwen",
+                "vllm-0.34.0-qwen-faults", "nixl-vllm-0.34.0")
 # scenarios whose findings no entry explains, each triaged in reports/fuzz/README.md
 TRIAGED_NEW = {"vllm-0.26.0-faults": {39}}
 
