@@ -73,10 +73,13 @@ def _range_in(value: Any, what: str) -> tuple[int, int]:
     return value[0], value[1]
 
 
-def _opt_int(value: Any, what: str) -> int | None:
+def _opt_int(value: Any, what: str, *, non_negative: bool = False) -> int | None:
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
+    if non_negative:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise WireError(f"{what} must be a non-negative int or None, got {value!r}")
+    elif not isinstance(value, int) or isinstance(value, bool):
         raise WireError(f"{what} must be an int or None")
     return value
 
@@ -84,14 +87,6 @@ def _opt_int(value: Any, what: str) -> int | None:
 def _typed(value: Any, kind: type, what: str) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise WireError(f"{what} must be {kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _optional_count(value: Any, what: str) -> int | None:
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise WireError(f"{what} must be a non-negative int or None, got {value!r}")
     return value
 
 
@@ -218,7 +213,7 @@ class StartRead:
             prefill_blocks=_groups_in(d["prefill_blocks"], "prefill_blocks"),
             decode_blocks=_groups_in(d["decode_blocks"], "decode_blocks"),
             decode_hit_blocks=_typed(d["decode_hit_blocks"], int, "decode_hit_blocks"),
-            prefill_tokens=_optional_count(d["prefill_tokens"], "prefill_tokens")))
+            prefill_tokens=_opt_int(d["prefill_tokens"], "prefill_tokens", non_negative=True)))
 
 
 @dataclass(frozen=True, kw_only=True)
