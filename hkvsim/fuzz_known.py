@@ -67,31 +67,30 @@ class Facts:
 
 
 def facts(scenario: Any) -> Facts:
-    from .geometry.layout import unify_pages
+    from .geometry.layout import has_uneven_group, unify_pages
     from .pd.deployment import engine_block_size, engine_model
 
     model = scenario.model_spec()
     hits = scenario.workload.prefix_hit_tokens
 
-    def blocks(section: Any) -> tuple[int, int]:
+    def blocks(section: Any) -> tuple[int, tuple[int, int]]:
+        """The block size asked for, and (kernel, logical) block after page unification."""
         engine = engine_model(model, section)
-        return unify_pages(engine, section.tp, engine_block_size(engine, section))
+        block = engine_block_size(engine, section)
+        return block, unify_pages(engine, section.tp, block)
 
-    uneven = False
-    if model.is_hybrid:
-        counts = (len(model.attention_layers), len(model.state_layers))
-        uneven = max(counts) % min(counts) != 0
+    prefill_block, prefill_blocks = blocks(scenario.prefill)
+    decode_block, decode_blocks = blocks(scenario.decode)
     return Facts(
         mode=scenario.connector.mode, is_mla=model.attention.is_mla, is_hybrid=model.is_hybrid,
         kv_heads=None if model.attention.is_mla else model.attention.num_kv_heads,
         prefill_tp=scenario.prefill.tp, decode_tp=scenario.decode.tp,
         prefill_instances=scenario.prefill.instances,
-        prefill_block=engine_block_size(engine_model(model, scenario.prefill), scenario.prefill),
-        decode_block=engine_block_size(engine_model(model, scenario.decode), scenario.decode),
+        prefill_block=prefill_block, decode_block=decode_block,
         decode_prefix_hits=bool(scenario.decode.prefix_caching and hits and any(hits)),
         faults=frozenset((f.kind, f.phase) for f in scenario.faults),
-        prefill_blocks=blocks(scenario.prefill), decode_blocks=blocks(scenario.decode),
-        uneven_groups=uneven)
+        prefill_blocks=prefill_blocks, decode_blocks=decode_blocks,
+        uneven_groups=has_uneven_group(model))
 
 
 # the shapes a finding can take (Finding.kind, plus its gist where the kind is not enough)

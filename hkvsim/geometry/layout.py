@@ -27,6 +27,7 @@ __all__ = [
     "registration_walk",
     "register_regions",
     "unify_pages",
+    "has_uneven_group",
 ]
 
 REGISTRATION_ORDERS = ("sorted", "state-first", "attention-first")
@@ -234,6 +235,13 @@ def _hma_groups(model: ModelSpec) -> tuple[HMAGroup, ...]:
         for start in range(0, len(layers), size):
             groups.append(HMAGroup(group_id=len(groups), kind=kind, layers=layers[start:start + size]))
     return tuple(groups)
+
+
+def has_uneven_group(model: ModelSpec) -> bool:
+    """Whether a cache group holds fewer layers than the others (the last chunk of the larger
+    kind: KimiLinear's 7 KDA layers in groups of 3), leaving shared tensors that no layer of it
+    uses. Never for a model without state (one group)."""
+    return len({len(g.layers) for g in _hma_groups(model)}) > 1
 
 
 def _tensor_layers(model: ModelSpec, groups: Sequence[HMAGroup]) -> tuple[tuple[int, ...], ...]:

@@ -82,6 +82,18 @@ def test_kimi_linear_hma_groups():
         assert set(tensor) == {lay.groups[g].layers[i] for g in range(4)}
 
 
+def test_an_uneven_cache_group_is_told_apart():
+    # KimiLinear's last KDA group holds fewer layers (48B: 7/7/6; tiny: 3/3/1), leaving shared
+    # tensors that no layer of it uses; Qwen3-Next's 36 (9) GDN layers fill their groups of 12
+    # (3), and a model without state has one group
+    from hkvsim.geometry.layout import has_uneven_group
+
+    assert has_uneven_group(preset("kimi-linear-48b"))
+    assert has_uneven_group(preset("tiny-kimi-linear"))
+    for name in ("qwen3-next-80b", "tiny-qwen3-next", "deepseek-v3", "tiny-llama"):
+        assert not has_uneven_group(preset(name)), name
+
+
 def test_kimi_linear_sizes_per_token_and_request():
     m = preset("kimi-linear-48b")
     # §2.3: MLA 1,152 B/token/layer, 8,064 B/token in total, at every TP (replicated)

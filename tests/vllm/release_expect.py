@@ -10,19 +10,12 @@ PUSH_GEOMETRY_034 = "push_worker.py:149: NotImplementedError: NixlPushConnector 
                     "identical P/D block sizes"
 
 
-def block_geometry(scenario, role: str) -> tuple[int, int]:
-    """(kernel block, logical block) in tokens of one side of a scenario, after page
-    unification (a hybrid's logical block follows its state page, which shrinks with TP)."""
-    from hkvsim.geometry.layout import unify_pages
-    from hkvsim.pd.deployment import engine_block_size, engine_model
-
-    section = getattr(scenario, role)
-    engine = engine_model(scenario.model_spec(), section)
-    return unify_pages(engine, section.tp, engine_block_size(engine, section))
-
-
 def block_geometry_differs(scenario) -> bool:
-    return block_geometry(scenario, "prefill") != block_geometry(scenario, "decode")
+    """Kernel block or kernel blocks per logical block differ between the two sides (a
+    hybrid's logical block follows its state page, which shrinks with TP)."""
+    from hkvsim.fuzz_known import facts
+
+    return facts(scenario).block_geometry_differs
 
 
 def push_refused_by_034(scenario) -> bool:
@@ -49,12 +42,13 @@ def moves_less_in_034(scenario) -> bool:
     cache group holds fewer layers (0.34.0 moves no state for the slots no layer holds), or a
     hybrid pulled between engines of different block geometry (0.34.0 pairs the blocks by the
     request's last token and moves no kernel block past it)."""
+    from hkvsim.geometry.layout import has_uneven_group
+
     model = scenario.model_spec()
     if not model.is_hybrid:
         return False
-    counts = (len(model.attention_layers), len(model.state_layers))
-    uneven = max(counts) % min(counts) != 0
-    return uneven or (scenario.connector.mode == "pull" and block_geometry_differs(scenario))
+    return has_uneven_group(model) or (scenario.connector.mode == "pull"
+                                       and block_geometry_differs(scenario))
 
 
 def beyond_034_accounting(found: list, scenario, version: str) -> list:
