@@ -25,6 +25,7 @@ Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0, 0.33.0 and 0.34.0, pull and pus
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -283,11 +284,13 @@ def _write_config(cfg: dict[str, Any]) -> str:
     return _HF_DIR[text]
 
 
-def _params(cls: Any) -> set[str]:
-    """The parameter names a vLLM class takes (its fields changed between releases)."""
+@functools.cache
+def _params(cls: Any) -> frozenset[str]:
+    """The parameter names a vLLM class takes (its fields changed between releases); read
+    once per class (start_load asks on every request)."""
     import inspect
 
-    return set(inspect.signature(cls).parameters)
+    return frozenset(inspect.signature(cls).parameters)
 
 
 def _mamba_cache_is_tuple() -> bool:
