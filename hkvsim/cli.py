@@ -491,7 +491,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     explains every variant's differences), 1 otherwise."""
     from .fuzz import diff_finding
     from .fuzz_known import explain, facts
-    from .implementations.diff import diff_scenario
+    from .implementations.diff import core_extent, diff_scenario
 
     scenarios = _load(args.file)
     diffs, variants = [], []
@@ -505,6 +505,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             known = explain(diff_finding(found, core, vllm, where), facts(s), version)
         variants.append({"variant": s.scenario.name, "differences": len(found),
                          "hkvsim_outcome": core.outcome, "vllm_outcome": vllm.outcome,
+                         "hkvsim_transfer_extent": core_extent(s, version),
                          "vllm_version": version, "known": known})
     unexplained = sum(v["differences"] > 0 and v["known"] is None for v in variants)
     if args.json:
@@ -514,8 +515,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
         for v in variants:
             label = ("" if not v["differences"] else f" [{v['known']}]" if v["known"]
                      else " [NEW: no documented vLLM finding explains them]")
-            print(f"{v['variant']}: hkvsim {v['hkvsim_outcome']}, vLLM {v['vllm_version']} "
-                  f"{v['vllm_outcome']}, {v['differences']} difference(s){label}")
+            extent = ("" if v["hkvsim_transfer_extent"] == "allocated"
+                      else f" (transfer extent {v['hkvsim_transfer_extent']})")
+            print(f"{v['variant']}: hkvsim{extent} {v['hkvsim_outcome']}, vLLM "
+                  f"{v['vllm_version']} {v['vllm_outcome']}, {v['differences']} "
+                  f"difference(s){label}")
         for d in diffs:
             print(f"  {d}")
         where = "" if args.backend == "sim" else f" (backend {args.backend})"
@@ -811,7 +815,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_presets)
     p = sub.add_parser("diff", help="run a scenario with hkvsim's connector core and with "
-                                    "vLLM's (needs scripts/with-vllm); list where they differ")
+                                    "vLLM's (needs scripts/with-vllm); list where they differ. "
+                                    "The core moves what the installed release moves (its "
+                                    "transfer_extent: 'needed' beside 0.34.0) unless the file "
+                                    "sets connector.transfer_extent")
     p.add_argument("file", help="scenario file (.toml)")
     p.add_argument("--backend", default="sim", choices=["sim", "nixl"],
                    help="where both implementations run (default: sim, the simulated fabric; "

@@ -431,8 +431,10 @@ def run_case(case: FuzzCase, options: FuzzOptions, *, run: Callable[[Any], Any] 
         return
     names = ("hkvsim", "vllm") if options.implementation == "both" else (options.implementation,)
     results: dict[str, Any] = {}
+    # beside a vLLM release, hkvsim's core moves what that release moves (transfer_extent)
+    like = vllm_version[0] if vllm_version and options.implementation == "both" else None
     for name in names:
-        s = with_implementation(scenario, name)
+        s = with_implementation(scenario, name, like_vllm=like)
         try:
             with (contextlib.nullcontext() if real else _deadline(options.scenario_timeout)):
                 results[name] = run(s)
@@ -513,12 +515,25 @@ class FuzzReport:
                  "known": sorted(known[sig], key=lambda k: (k is None, k or ""))}
                 for sig, ids in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
 
+    @property
+    def core_extent(self) -> str | None:
+        """The transfer extent hkvsim's core ran with beside vLLM (None: not both ran)."""
+        if self.options.implementation != "both":
+            return None
+        from .implementations.vllm.engine import release_transfer_extent
+
+        return (release_transfer_extent(self.vllm_version) if self.vllm_version
+                else "allocated")
+
     def as_dict(self) -> dict[str, Any]:
         o = self.options
         status = Counter(c.status for c in self.cases)
         return {"seed": o.seed, "count": o.count, "ran": len(self.cases),
                 "stopped_early": self.stopped_early, "implementation": o.implementation,
-                "vllm_version": self.vllm_version, "quirk": o.quirk, "faults": o.faults,
+                "vllm_version": self.vllm_version,
+                # what hkvsim's core moved beside vLLM (with_implementation's like_vllm)
+                "hkvsim_transfer_extent": self.core_extent,
+                "quirk": o.quirk, "faults": o.faults,
                 "determinism": o.determinism, "presets": list(o.presets), "backend": o.backend,
                 "seconds": round(self.seconds, 2),
                 "checked": status.get("checked", 0), "skipped": status.get("skipped", 0),
@@ -572,6 +587,11 @@ def fuzz(options: FuzzOptions, *, out_dir: Path | None = None,
         run = _nixl_runner(options.scenario_timeout)
     cases: list[FuzzCase] = []
     version: list[str] = []
+    if options.implementation == "both":  # known before the first run: the core's extent
+        from .implementations.vllm.engine import vllm_version
+
+        installed = vllm_version()
+        version = [installed] if installed else []
     stopped = False
     for index in range(options.count):
         if options.time_limit is not None and time.perf_counter() - start >= options.time_limit:

@@ -436,6 +436,11 @@ class ConnectorSection(_Section):
     host_buffer: Bool = False
     # whose connector code runs: hkvsim's own core, or a vLLM release's (docs/vllm.md)
     implementation: Literal["hkvsim", "vllm"] = "hkvsim"
+    # what hkvsim's core moves per request (docs/scenarios.md): "allocated" (the reference:
+    # every state slot over every shared tensor, whole logical blocks) or "needed" (vLLM
+    # 0.34.0's: state only over tensors holding a layer of the slot's group, a pull between
+    # engines of different block sizes stopping at the last computed token)
+    transfer_extent: Literal["allocated", "needed"] = "allocated"
 
     @field_validator("quirks")
     @classmethod

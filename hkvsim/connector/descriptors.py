@@ -82,6 +82,28 @@ class DescriptorList:
         """The first id of every state sub-region (1-D int64)."""
         return np.ascontiguousarray(self._subregion_starts[:, 0])
 
+    @functools.cached_property
+    def _held_cache(self) -> dict[tuple[int, ...], tuple[np.ndarray, int]]:
+        return {}
+
+    def held_subregions(self, positions: tuple[int, ...]) -> tuple[np.ndarray, int]:
+        """(first ids, bytes of one slot) of the state sub-regions ``positions`` (indices
+        into the list's sub-regions, ascending): the sub-regions of the shared tensors that
+        hold a layer of a cache group whose group leaves others unused (transfer extent
+        "needed"). Made once per list and positions: the same array each time, so a
+        transport may remember what it derived from it by its identity."""
+        got = self._held_cache.get(positions)
+        if got is None:
+            q = np.asarray(positions, dtype=np.int64)
+            if q.size and (q.min() < 0 or q.max() >= self.num_state_subregions):
+                raise ValueError(f"state sub-regions {list(positions)} outside the list's "
+                                 f"{self.num_state_subregions}")
+            starts = np.ascontiguousarray(self.subregion_starts[q])
+            starts.flags.writeable = False
+            nbytes = int(self.affine.length[self.num_attention_regions + q].sum())
+            got = self._held_cache[positions] = (starts, nbytes)
+        return got
+
     def outer_ids(self, block_ids: np.ndarray | None, slot_ids: np.ndarray | None, *,
                   frozen: bool = False, block_range: bool = False) -> OuterIds:
         """``attention_ids(block_ids)`` then ``state_ids(slot_ids)`` (None: none), as the

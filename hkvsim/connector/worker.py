@@ -51,7 +51,7 @@ from .validate import (
     validate_remote_ranks,
 )
 
-__all__ = ["ConnectorSettings", "ReadRequest", "ConnectorWorker", "RequestOutcome",
+__all__ = ["ConnectorSettings", "TRANSFER_EXTENTS", "ReadRequest", "ConnectorWorker", "RequestOutcome",
            "parse_notification"]
 
 
@@ -63,6 +63,14 @@ class ConnectorSettings:
     host_buffer: bool = False
     enforce_handshake_compat: bool = True
     descriptor_merge: str = "off"  # off | contiguous | strided (DESIGN: fewer descriptors)
+    # what a transfer covers: "allocated" (the reference: every state slot over every shared
+    # tensor, whole logical blocks) or "needed" (state only on the tensors holding a layer of
+    # the slot's cache group; a pull between engines whose blocks differ in size stops at the
+    # request's last computed token): TRANSFER_EXTENTS
+    transfer_extent: str = "allocated"
+
+
+TRANSFER_EXTENTS = ("allocated", "needed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +122,20 @@ class _PairedBlocks:  # read-only once made: one request's ranks may share it
     # range: expand_logical_range); lets the transport skip reading them (OuterIds.ranges)
     prefill_range: bool = False
     decode_range: bool = False
+    # transfer extent "needed": the state slots of cache groups that leave some shared tensor
+    # unused, as (sub-region positions they are moved over, prefill slots, decode slots)
+    state_partial: tuple[tuple[tuple[int, ...], np.ndarray, np.ndarray], ...] = ()
+
+    @property
+    def state_slots(self) -> int:
+        """State slots paired, over every sub-region set."""
+        return self.state_prefill.size + sum(p.size for _, p, _ in self.state_partial)
+
+    @functools.cached_property
+    def partial_decode_first(self) -> tuple[tuple[tuple[int, ...], np.ndarray, np.ndarray], ...]:
+        """``state_partial`` as (positions, decode slots, prefill slots): a pull's local side
+        first."""
+        return tuple((q, d, p) for q, p, d in self.state_partial)
 
 
 @dataclass(eq=False)
@@ -211,6 +233,30 @@ class ConnectorWorker:
                               if set(r.layers) & set(self.model.state_layers)]
         # (group id, is attention) of every group, in order (_pair_blocks, per request)
         self._group_kinds = tuple((g.group_id, g.kind == "attention") for g in layout.groups)
+        if settings.transfer_extent not in TRANSFER_EXTENTS:
+            raise ValueError(f"unknown transfer_extent {settings.transfer_extent!r}; allowed: "
+                             f"{', '.join(TRANSFER_EXTENTS)}")
+
+    @functools.cached_property
+    def _held_positions(self) -> dict[int, tuple[int, ...]]:
+        """Transfer extent "needed": state group id -> the state sub-regions (positions in the
+        descriptor lists' state part) of the tensors holding one of its layers, for the groups
+        that leave some shared tensor unused (KimiLinear's last KDA group); empty otherwise.
+        Read once the rank is registered (the sub-regions per tensor come from its metadata)."""
+        if self.settings.transfer_extent != "needed":
+            return {}
+        subregions = len(self.metadata.ssm_subregion_sizes)
+        out: dict[int, tuple[int, ...]] = {}
+        regions = [self.layout.regions[i] for i in self.state_regions]
+        for group in self.layout.groups:
+            if group.kind != "state":
+                continue
+            layers = set(group.layers)
+            held = [pos for pos, region in enumerate(regions) if layers & set(region.layers)]
+            if len(held) < len(regions):
+                out[group.group_id] = tuple(pos * subregions + j for pos in held
+                                            for j in range(subregions))
+        return out
 
     # ---- registration --------------------------------------------------------------------
     @functools.cached_property
@@ -372,29 +418,37 @@ class ConnectorWorker:
         global _LAST_PAIRING
         ppl_d = self.layout.physical_blocks_per_logical
         key = (id(self.layout), self.role, self.settings.quirks, ppl_p, ppl_d, bsr,
-               remote_blocks)
+               remote_blocks, self.settings.transfer_extent, req.prefill_tokens)
         last = _LAST_PAIRING
         if last is not None and last[0] is req and last[1] == key:
             return last[2]
         paired = self._pair_blocks(
             prefill_blocks=req.prefill_blocks, decode_blocks=req.decode_blocks,
             hit_blocks=req.decode_hit_blocks, ppl_p=ppl_p, ppl_d=ppl_d, bsr=bsr,
-            remote_blocks=remote_blocks)
+            remote_blocks=remote_blocks, prefill_tokens=req.prefill_tokens)
         _LAST_PAIRING = (req, key, paired)
         return paired
 
     def _transfer_ids(self, local_list: DescriptorList, remote_list: DescriptorList,
                       blocks: "tuple[np.ndarray, np.ndarray] | None",
                       slots: "tuple[np.ndarray, np.ndarray] | None",
-                      ranges: tuple[bool, bool] = (False, False)) -> tuple[Any, Any, int]:
+                      ranges: tuple[bool, bool] = (False, False),
+                      partial: "Sequence[tuple[tuple[int, ...], np.ndarray, np.ndarray]]" = (),
+                      ) -> tuple[Any, Any, int]:
         """(local ids, remote ids, bytes) of a transfer of paired attention ``blocks`` and state
         ``slots`` ((local, remote) ids each; None: that part is not moved): every attention
         region's ids of the blocks, then every state sub-region's of the slots. As OuterIds
         (the same ids with their structure, transport/outer.py) for a transport that reads it,
         else flat int64 arrays; bytes counted per region, without a per-descriptor gather.
         ``ranges``: whether the local / remote attention blocks are known to be consecutive
-        ids (_PairedBlocks; passed on with the OuterIds)."""
+        ids (_PairedBlocks; passed on with the OuterIds). ``partial``: (state sub-region
+        positions, local slots, remote slots) moved over those sub-regions only (transfer
+        extent "needed"; _PairedBlocks.state_partial, local and remote as ``slots``), after
+        the rest."""
         (la, ra), (ls, rs) = blocks or (None, None), slots or (None, None)
+        if partial:
+            return self._transfer_ids_partial(local_list, remote_list, (la, ra), (ls, rs),
+                                              ranges, partial)
         # the paired ids are never modified once made (_PairedBlocks): frozen columns
         local_ids = local_list.outer_ids(la, ls, frozen=True, block_range=ranges[0])
         remote_ids = remote_list.outer_ids(ra, rs, frozen=True, block_range=ranges[1])
@@ -404,10 +458,45 @@ class ConnectorWorker:
             return local_ids.flat(), remote_ids.flat(), nbytes
         return local_ids, remote_ids, nbytes  # merging reads their structure (_make_xfer)
 
+    def _transfer_ids_partial(self, local_list: DescriptorList, remote_list: DescriptorList,
+                              blocks: tuple[Any, Any], slots: tuple[Any, Any],
+                              ranges: tuple[bool, bool],
+                              partial: "Sequence[tuple[tuple[int, ...], np.ndarray, np.ndarray]]",
+                              ) -> tuple[Any, Any, int]:
+        """_transfer_ids with state slots moved over some sub-regions only: one more part per
+        such group, its rows the first ids of those sub-regions (the same array for the same
+        list and sub-regions: DescriptorList.held_subregions)."""
+        (la, ra), (ls, rs) = blocks, slots
+        local_parts: list[tuple[np.ndarray, np.ndarray]] = []
+        remote_parts: list[tuple[np.ndarray, np.ndarray]] = []
+        nbytes = 0
+        if la is not None:
+            local_parts.append((local_list.region_starts, la))
+            remote_parts.append((remote_list.region_starts, ra))
+            nbytes += la.size * local_list.attention_bytes
+        if ls is not None:
+            local_parts.append((local_list.subregion_starts, ls))
+            remote_parts.append((remote_list.subregion_starts, rs))
+            nbytes += ls.size * local_list.state_bytes
+            for positions, local_slots, remote_slots in partial:
+                starts, slot_bytes = local_list.held_subregions(positions)
+                local_parts.append((starts, local_slots))
+                remote_parts.append((remote_list.held_subregions(positions)[0], remote_slots))
+                nbytes += local_slots.size * slot_bytes
+        flags = [la is not None and ranges[0]] + [False] * (len(local_parts) - 1)
+        flags_r = [la is not None and ranges[1]] + [False] * (len(remote_parts) - 1)
+        local_ids = OuterIds.of_arrays(local_parts, frozen=True,
+                                       ranges=flags if any(flags) else None)
+        remote_ids = OuterIds.of_arrays(remote_parts, frozen=True,
+                                        ranges=flags_r if any(flags_r) else None)
+        if not self._outer_ids and self.settings.descriptor_merge == "off":
+            return local_ids.flat(), remote_ids.flat(), nbytes
+        return local_ids, remote_ids, nbytes
+
     def _pair_blocks(self, *, prefill_blocks: Mapping[int, np.ndarray],
                      decode_blocks: Mapping[int, np.ndarray], hit_blocks: int, ppl_p: int,
-                     ppl_d: int, bsr: int, remote_blocks: int | None = None
-                     ) -> "_PairedBlocks":
+                     ppl_d: int, bsr: int, remote_blocks: int | None = None,
+                     prefill_tokens: int | None = None) -> "_PairedBlocks":
         """Pair prefill's and decode's block ids group by group (docs/semantics.md §6-7), in the
         descriptor-id units both lists use: prefill kernel blocks and decode (sub-)blocks.
 
@@ -421,6 +510,13 @@ class ConnectorWorker:
         address a block of the next cache region (another layer's bytes), which a range check
         over the whole descriptor list notices only when it runs off the list's end;
         PairingError names it. None: not checked.
+
+        Transfer extent "needed": ``prefill_tokens`` (a pull's; None: unknown) bounds the
+        attention when the two engines' blocks differ in size (a block size ratio or another
+        physical_blocks_per_logical): no prefill kernel block past the one holding the last
+        computed token is paired, as vLLM 0.34.0 pairs such blocks by the request's last
+        token. State slots of a group that leaves some shared tensor unused are paired apart
+        (``state_partial``), to move over the tensors holding its layers only.
         """
         quirks = self.settings.quirks
         local_is_decode = self.role == "decode"
@@ -441,7 +537,15 @@ class ConnectorWorker:
         hit_units = hit_blocks * ppl_d * bsr
         front_trim = "front-trim-with-prefix-cache" in quirks
         by_count = "bsr-prefix-end-trim" in quirks
+        held = self._held_positions
+        # extent "needed": prefill kernel blocks up to the last computed token
+        last_unit: int | None = None
+        if (prefill_tokens is not None and self.settings.transfer_extent == "needed"
+                and local_is_decode and (bsr > 1 or ppl_p != ppl_d)):
+            tokens_per_unit = self.layout.kernel_block_size // bsr
+            last_unit = -(-prefill_tokens // tokens_per_unit)
         attn_p, attn_d, state_p, state_d = [], [], [], []
+        partial: list[tuple[tuple[int, ...], np.ndarray, np.ndarray]] = []
         ranges = (False, False)
         for group_id, attention in self._group_kinds:
             p_ids = prefill_blocks.get(group_id, ())
@@ -457,6 +561,8 @@ class ConnectorWorker:
                 if p_limit is not None and not (
                         p_range and p_sub.item(0) >= 0 and p_sub.item(-1) < p_limit * p_expand):
                     _check_block_ids(p_ids, p_limit, "prefill", group_id)
+                if last_unit is not None and p_sub.size > last_unit:
+                    p_sub = p_sub[:last_unit]  # (a prefix of a range is a range)
                 # (a slice of consecutive ids is consecutive: pairing keeps the flags)
                 local, remote = pair_attention_ids(
                     d_sub, p_sub, decode_hit_units=hit_units,
@@ -477,25 +583,30 @@ class ConnectorWorker:
                 _check_block_ids(d_ids, d_limit, "decode", group_id)
                 _check_block_ids(p_ids, p_limit, "prefill", group_id)
             if d_ids.size == p_ids.size:  # the common case of pair_state_slots
-                state_p.append(p_ids)
-                state_d.append(d_ids)
+                p_slots, d_slots = p_ids, d_ids
             else:
                 d_slots, p_slots = pair_state_slots(d_ids, p_ids)
+            positions = held.get(group_id) if held else None
+            if positions is None:
                 state_p.append(p_slots)
                 state_d.append(d_slots)
+            elif p_slots.size:  # (copies: the request's arrays are never kept)
+                partial.append((positions, p_slots.copy(), d_slots.copy()))
         # one attention group: its pairing's arrays are already new (expand_logical), not
         # the request's, so they need no copy; state slots are copied (concatenated)
         if len(attn_p) == 1:
             paired = _PairedBlocks(
                 attention_prefill=attn_p[0], attention_decode=attn_d[0],
                 state_prefill=_join(state_p), state_decode=_join(state_d),
-                prefill_range=ranges[0], decode_range=ranges[1])
+                prefill_range=ranges[0], decode_range=ranges[1], state_partial=tuple(partial))
         else:  # (joined groups: not known to be consecutive)
             paired = _PairedBlocks(
                 attention_prefill=_join(attn_p), attention_decode=_join(attn_d),
-                state_prefill=_join(state_p), state_decode=_join(state_d))
+                state_prefill=_join(state_p), state_decode=_join(state_d),
+                state_partial=tuple(partial))
         if "attention-only-transfer" in quirks:  # decode runs from zeroed state (ATOM #2154)
             paired.state_prefill = paired.state_decode = np.zeros(0, np.int64)
+            paired.state_partial = ()
         return paired
 
     def _post_reads(self, req: ReadRequest, outcome: RequestOutcome) -> list[int]:
@@ -511,7 +622,8 @@ class ConnectorWorker:
         handles: list[int] = []
         for rank, remote in remotes.items():
             reads_attention = rank in plan.attention_sources and la.size > 0
-            reads_state = rank in plan.state_sources and ls.size > 0
+            reads_state = rank in plan.state_sources and (
+                ls.size > 0 or bool(paired.state_partial))
             if not (reads_attention or reads_state):
                 # Never-read rank (pure-MLA broadcast, or nothing to move): notification only,
                 # with prefill's request id so prefill can free.
@@ -527,7 +639,8 @@ class ConnectorWorker:
             local_ids, remote_ids, nbytes = self._transfer_ids(
                 local_list, rl, (la, ra) if reads_attention else None,
                 (ls, rs) if reads_state else None,
-                (paired.decode_range, paired.prefill_range))
+                (paired.decode_range, paired.prefill_range),
+                paired.partial_decode_first if reads_state else ())
             notif = f"{req.prefill_request_id}:{count}".encode()
             self._post("READ", local_list, local_handle, local_ids, remote, remote_ids, notif,
                        handles, outcome, nbytes)
@@ -580,7 +693,7 @@ class ConnectorWorker:
         handles: list[int] = []
         for index, d_rank in enumerate(targets):
             remote = remotes[d_rank]
-            if la.size == 0 and ls.size == 0:  # full prefix hit: notification only
+            if la.size == 0 and paired.state_slots == 0:  # full prefix hit: notification only
                 self._notify(remote.agent, notif)
                 continue
             if plan.tp_ratio < 0 and not pure_mla:
@@ -604,7 +717,8 @@ class ConnectorWorker:
                 local_list, local_handle = self._local_list(1)
             rl = remote.remote_list
             local_ids, remote_ids, nbytes = self._transfer_ids(
-                local_list, rl, (la, ra), (ls, rs), (paired.prefill_range, paired.decode_range))
+                local_list, rl, (la, ra), (ls, rs), (paired.prefill_range, paired.decode_range),
+                paired.state_partial)
             self._post("WRITE", local_list, local_handle, local_ids, remote, remote_ids, notif,
                        handles, outcome, nbytes)
         return handles

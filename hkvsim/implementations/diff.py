@@ -18,7 +18,8 @@ from typing import Any
 from ..pd.records import RunResult
 from ..scenario import Scenario
 
-__all__ = ["Difference", "compare_results", "with_implementation", "diff_scenario"]
+__all__ = ["Difference", "compare_results", "with_implementation", "core_extent",
+           "diff_scenario"]
 
 FIELDS = ("status", "failure_class", "transfers", "sources", "descriptors", "nbytes",
           "per_rank", "byte_exact", "wrong_regions")
@@ -43,9 +44,27 @@ class Difference:
         return f"{self.variant}: {where}: {self.field}: hkvsim {self.hkvsim!r}, vllm {self.vllm!r}"
 
 
-def with_implementation(scenario: Scenario, implementation: str) -> Scenario:
-    connector = scenario.connector.model_copy(update={"implementation": implementation})
+def with_implementation(scenario: Scenario, implementation: str, *,
+                        like_vllm: str | None = None) -> Scenario:
+    """``scenario`` run by ``implementation``. ``like_vllm`` (a vLLM version; None: as the
+    file says): hkvsim's core moves what that release moves (its ``transfer_extent``,
+    ``core_extent``), unless the file sets ``connector.transfer_extent`` itself."""
+    update: dict[str, Any] = {"implementation": implementation}
+    if implementation == "hkvsim" and like_vllm is not None:
+        update["transfer_extent"] = core_extent(scenario, like_vllm)
+    connector = scenario.connector.model_copy(update=update)
     return scenario.model_copy(update={"connector": connector})
+
+
+def core_extent(scenario: Scenario, vllm_version: str | None) -> str:
+    """The transfer extent hkvsim's core runs with beside vLLM ``vllm_version``: the file's
+    ``connector.transfer_extent`` where it sets one, else the release's (0.34.0 moves only
+    what the request needs: docs/vllm.md), else the default."""
+    if "transfer_extent" in scenario.connector.model_fields_set or vllm_version is None:
+        return scenario.connector.transfer_extent
+    from .vllm.engine import release_transfer_extent
+
+    return release_transfer_extent(vllm_version)
 
 
 def _sources(telemetry: list[dict[str, Any]]) -> list[str]:
@@ -104,8 +123,12 @@ def diff_scenario(scenario: Scenario, backend: str = "sim"
                   ) -> tuple[list[Difference], RunResult, RunResult]:
     """Both implementations on ``backend``: the simulated fabric, or real NIXL agents (one
     process per rank; the transfers' fabric paths are then unknown to both, so "sources"
-    compares equal, and everything else is compared as on the fabric)."""
-    pair = [with_implementation(scenario, "hkvsim"), with_implementation(scenario, "vllm")]
+    compares equal, and everything else is compared as on the fabric). hkvsim's core moves
+    what the installed vLLM release moves (``with_implementation``, ``like_vllm``)."""
+    from .vllm.engine import vllm_version
+
+    pair = [with_implementation(scenario, "hkvsim", like_vllm=vllm_version()),
+            with_implementation(scenario, "vllm")]
     if backend == "nixl":
         from ..drivers.nixl import run_for_cli
 

@@ -66,7 +66,8 @@ def connector_settings(scenario: Scenario, role: str) -> ConnectorSettings:
     return ConnectorSettings(mode=conn.mode, quirks=check_quirks(list(conn.quirks)),
                              prefix_caching=section.prefix_caching, host_buffer=conn.host_buffer,
                              enforce_handshake_compat=conn.enforce_handshake_compat,
-                             descriptor_merge=conn.descriptor_merge)
+                             descriptor_merge=conn.descriptor_merge,
+                             transfer_extent=conn.transfer_extent)
 
 
 @dataclass(frozen=True, kw_only=True)

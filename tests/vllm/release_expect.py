@@ -32,35 +32,3 @@ def assert_push_refused_by_034(result, name: str) -> None:
     assert all(r.status == "failed" and r.failure_class == "handshake_failed"
                for r in result.records), name
     assert result.corrupted == 0 and result.leaks["after_shutdown"] == 0, name
-
-
-ACCOUNTING = ("descriptors", "nbytes", "per_rank")
-
-
-def moves_less_in_034(scenario) -> bool:
-    """Where 0.34.0 moves fewer bytes than hkvsim's core, byte-exact alike: a hybrid whose last
-    cache group holds fewer layers (0.34.0 moves no state for the slots no layer holds), or a
-    hybrid pulled between engines of different block geometry (0.34.0 pairs the blocks by the
-    request's last token and moves no kernel block past it)."""
-    from hkvsim.geometry.layout import has_uneven_group
-
-    model = scenario.model_spec()
-    if not model.is_hybrid:
-        return False
-    return has_uneven_group(model) or (scenario.connector.mode == "pull"
-                                       and block_geometry_differs(scenario))
-
-
-def beyond_034_accounting(found: list, scenario, version: str) -> list:
-    """``found`` (differences between hkvsim's core and vLLM) less those 0.34.0's smaller
-    transfers explain: in the deployments of :func:`moves_less_in_034`, descriptor and byte
-    counts that are lower under vLLM (never higher). Any other release: ``found`` unchanged."""
-    if version != "0.34.0" or not moves_less_in_034(scenario):
-        return found
-    rest = []
-    for d in found:
-        if d.field not in ACCOUNTING:
-            rest.append(d)
-        elif d.field != "per_rank":
-            assert d.vllm < d.hkvsim, str(d)  # fewer, never more
-    return rest

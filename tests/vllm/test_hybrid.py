@@ -90,6 +90,17 @@ def test_push_tp_matrix_tiny_deepseek_per_release(vllm_required: str) -> None:
     _check_per_release(scenarios, vllm_required, fails_026=lambda p, d: False)
 
 
+def _agrees_with_the_core(s, result, vllm_required: str) -> None:
+    """hkvsim's core, moving what this release moves (``like_vllm``: its transfer extent),
+    takes the same transfers with the same descriptor and byte counts per rank pair, and the
+    same verdicts, as vLLM (compare_results: no difference)."""
+    from hkvsim.implementations.diff import compare_results, with_implementation
+
+    core = run_scenario(with_implementation(s, "hkvsim", like_vllm=vllm_required))
+    found = compare_results(s.scenario.name, core, result)
+    assert found == [], [str(d) for d in found]
+
+
 def _check_per_release(scenarios, vllm_required: str, *, fails_026=lambda p, d: p > d,
                        assert_026: str = ASSERT_026) -> None:
     for s in scenarios:
@@ -98,13 +109,16 @@ def _check_per_release(scenarios, vllm_required: str, *, fails_026=lambda p, d: 
         assert result.implementation == {"name": "vllm", "version": vllm_required}
         if vllm_required in ("0.27.0", "0.33.0"):
             assert _byte_exact(result), (name, result.outcome)
+            _agrees_with_the_core(s, result, vllm_required)
         elif vllm_required == "0.34.0":
             # push between engines of different block geometry (a hybrid's logical block
-            # follows its TP) is refused at the handshake; every other pair is byte-exact
+            # follows its TP) is refused at the handshake; every other pair is byte-exact,
+            # and moves what hkvsim's core moves with transfer_extent "needed"
             if s.connector.mode == "push" and push_refused_by_034(s):
                 assert_push_refused_by_034(result, name)
             else:
                 assert _byte_exact(result), (name, result.outcome)
+                _agrees_with_the_core(s, result, vllm_required)
         elif vllm_required == "0.26.0":
             if fails_026(s.prefill.tp, s.decode.tp):  # fails loudly, vLLM's own assert named
                 assert result.outcome == "request-failure", (name, result.outcome)
@@ -113,6 +127,7 @@ def _check_per_release(scenarios, vllm_required: str, *, fails_026=lambda p, d: 
                 assert result.corrupted == 0
             else:  # decode TP > prefill TP: one source rank per decode rank, byte-exact
                 assert _byte_exact(result), (name, result.outcome)
+                _agrees_with_the_core(s, result, vllm_required)
         else:
             pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
 

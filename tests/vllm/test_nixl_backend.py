@@ -137,7 +137,7 @@ def test_a_rank_without_vllm_fails_setup_with_one_line(nixl_available, tmp_path:
     assert "rank setup failed" in text and "\n" not in text
     assert "connector.implementation" in text
     assert "needs vLLM, which is not importable here" in text
-    assert "scripts/with-vllm 0.33.0 hkvsim run FILE" in text
+    assert "scripts/with-vllm 0.34.0 hkvsim run FILE" in text
 
 
 @pytest.mark.timeout(600)

@@ -18,7 +18,6 @@ from hkvsim.scenario import ScenarioError, load_scenarios
 from release_expect import (
     PUSH_GEOMETRY_034,
     assert_push_refused_by_034,
-    beyond_034_accounting,
     push_refused_by_034,
 )
 
@@ -168,7 +167,7 @@ def test_without_vllm_a_run_says_how_to_provision_it(tmp_path: Path, capsys,
     err = capsys.readouterr().err.strip()
     assert err == (f"hkvsim: error: {path}: connector.implementation: implementation 'vllm' "
                    f"needs vLLM, which is not importable here (import of vllm halted; None in "
-                   f"sys.modules); run it with: scripts/with-vllm 0.33.0 hkvsim run FILE")
+                   f"sys.modules); run it with: scripts/with-vllm 0.34.0 hkvsim run FILE")
 
 
 def test_unsupported_cases_are_one_line_errors(vllm_required: str, tmp_path: Path,
@@ -199,7 +198,7 @@ def test_gqa_hetero_tp_is_refused_by_both_and_vllm_leaks_the_refused_agent(
 
     path = ROOT / "scenarios" / "vllm" / "xfail-gqa-nhd-hetero-tp.toml"
     for s in load_scenarios(path):
-        core = run_scenario(with_implementation(s, "hkvsim"))
+        core = run_scenario(with_implementation(s, "hkvsim", like_vllm=vllm_required))
         vllm = run_scenario(s)
         assert core.handshake_errors and "V5" in core.handshake_errors[0]
         assert vllm.handshake_errors and "requires contiguous heads" in vllm.handshake_errors[0]
@@ -375,7 +374,7 @@ def test_a_full_prefix_hit_on_a_hybrid_pulls_nothing(vllm_required: str) -> None
         assert vllm.outcome == "ok" and vllm.mismatched_bytes == 0, name  # freed by notification
         assert vllm.records[1].transfers == 0, name
         found = compare_results(name, core, vllm)
-        assert beyond_034_accounting(found, s, vllm_required) == [], name
+        assert found == [], [str(d) for d in found]
 
 
 @pytest.mark.timeout(300)
@@ -392,7 +391,6 @@ def test_a_request_decode_gives_up_before_reading_frees_prefill_by_notification(
         s = s.model_copy(update={"faults": faults})
         name = s.scenario.name
         found, core, vllm = diff_scenario(s)
-        found = beyond_034_accounting(found, s, vllm_required)
         assert found == [], [str(d) for d in found]
         assert vllm.outcome == "ok" and vllm.counters["lease_expiries"] == 0, name
         assert [r.status for r in vllm.records] == ["ok", "aborted", "ok"], name
@@ -517,7 +515,6 @@ def test_a_read_stalled_past_the_watchdog_is_waited_out_as_in_hkvsims_core(
     for s in load_scenarios(ROOT / "scenarios" / "vllm" / "watchdog-stall.toml"):
         name = s.scenario.name
         found, core, vllm = diff_scenario(s)
-        found = beyond_034_accounting(found, s, vllm_required)
         assert found == [], [str(d) for d in found]
         stalled, expected = vllm.records[1], core.records[1]
         assert stalled.telemetry == [] and expected.telemetry == [], name
@@ -691,7 +688,6 @@ def test_kill_rank_fails_the_same_requests_as_hkvsims_core(vllm_required: str) -
         if vllm_required == "0.34.0" and push_refused_by_034(s):
             assert_push_refused_by_034(vllm, s.scenario.name)
             continue
-        found = beyond_034_accounting(found, s, vllm_required)
         assert found == [], [str(d) for d in found]
         assert [r.failure_class for r in vllm.records] == [
             None, "remote_disconnect", "remote_disconnect"], s.scenario.name

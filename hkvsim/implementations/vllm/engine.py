@@ -47,13 +47,24 @@ from ...transport.base import Memory
 from .agent import TransportNixlAgent
 
 __all__ = ["VllmUnavailable", "VllmFailure", "SUPPORTED_VERSIONS", "load_vllm", "vllm_version",
+           "release_transfer_extent",
            "VllmRank", "VllmHarness", "unsupported"]
 
 log = logging.getLogger("hkvsim.vllm")
 
 SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.33.0", "0.34.0")
 RUNNABLE_VERSIONS = ("0.26.0", "0.27.0", "0.33.0", "0.34.0")  # the versions this harness drives
-PROVISION_HINT = "scripts/with-vllm 0.33.0 hkvsim run FILE"
+PROVISION_HINT = "scripts/with-vllm 0.34.0 hkvsim run FILE"
+# what each release moves per request, as hkvsim's core transfer_extent names it (docs/vllm.md,
+# "vLLM 0.34.0"): 0.34.0 moves no state over shared tensors no layer of the slot's group holds,
+# and stops a pull between engines of different block sizes at the last computed token
+_TRANSFER_EXTENT = {"0.34.0": "needed"}
+
+
+def release_transfer_extent(version: str) -> str:
+    """The core's transfer_extent that moves what vLLM ``version`` moves ("allocated" for the
+    releases before 0.34.0)."""
+    return _TRANSFER_EXTENT.get(version, "allocated")
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 _CLOCK_MODULES = ("base_worker", "pull_worker", "push_worker", "base_scheduler",
                   "pull_scheduler", "push_scheduler")
