@@ -48,6 +48,15 @@ class Facts:
     prefill_blocks: tuple[int, int] = (0, 0)
     decode_blocks: tuple[int, int] = (0, 0)
     uneven_groups: bool = False  # a hybrid whose last cache group holds fewer layers
+    # the file's own connector.transfer_extent (None: unset, so hkvsim's core ran beside vLLM
+    # with the release's: hkvsim.implementations.diff.core_extent)
+    transfer_extent: str | None = None
+
+    @property
+    def core_moved_allocated(self) -> bool:
+        """Whether hkvsim's core ran with the reference extent beside vLLM 0.34.0 (the only
+        release whose extent differs): only when the file chose it."""
+        return self.transfer_extent == "allocated"
 
     @property
     def block_size_ratio(self) -> bool:
@@ -90,7 +99,9 @@ def facts(scenario: Any) -> Facts:
         decode_prefix_hits=bool(scenario.decode.prefix_caching and hits and any(hits)),
         faults=frozenset((f.kind, f.phase) for f in scenario.faults),
         prefill_blocks=prefill_blocks, decode_blocks=decode_blocks,
-        uneven_groups=has_uneven_group(model))
+        uneven_groups=has_uneven_group(model),
+        transfer_extent=(scenario.connector.transfer_extent
+                         if "transfer_extent" in scenario.connector.model_fields_set else None))
 
 
 # the shapes a finding can take (Finding.kind, plus its gist where the kind is not enough)
@@ -240,16 +251,19 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "unheld-state-slots-0.34",
         "docs/vllm.md: 0.34.0 moves no state for cache-group slots that hold no layer (a "
-        "difference in bytes moved, no corruption)",
+        "difference in bytes moved, no corruption), where the file ran hkvsim's core with "
+        "transfer_extent \"allocated\" (beside 0.34.0 it otherwise moves what 0.34.0 moves)",
         frozenset({"0.34.0"}),
-        lambda f: f.is_hybrid and f.uneven_groups,
+        lambda f: f.is_hybrid and f.uneven_groups and f.core_moved_allocated,
         frozenset({DIFF}), _ACCOUNTING, same_outcomes=True, moves_less=True),
     KnownFinding(
         "sub-blocks-past-last-token-0.34",
         "docs/vllm.md: 0.34.0 pairs blocks of different sizes by the last token and moves no "
-        "kernel block past it (a difference in bytes moved, no corruption)",
+        "kernel block past it (a difference in bytes moved, no corruption), where the file ran "
+        "hkvsim's core with transfer_extent \"allocated\"",
         frozenset({"0.34.0"}),
-        lambda f: f.mode == "pull" and f.is_hybrid and f.block_geometry_differs,
+        lambda f: (f.mode == "pull" and f.is_hybrid and f.block_geometry_differs
+                   and f.core_moved_allocated),
         frozenset({DIFF}), _ACCOUNTING, same_outcomes=True, moves_less=True),
     KnownFinding(
         "design-push-registration-dropped",

@@ -206,7 +206,8 @@ def test_the_0_34_entries_need_their_release_deployment_and_shape() -> None:
     block follows its TP) and moves fewer bytes than hkvsim's core in two hybrid cases; each
     entry needs 0.34.0, its deployment and its shape."""
     kimi = _facts(is_mla=True, is_hybrid=True, kv_heads=None, prefill_block=64, decode_block=64,
-                  prefill_blocks=(64, 640), decode_blocks=(64, 320), uneven_groups=True)
+                  prefill_blocks=(64, 640), decode_blocks=(64, 320), uneven_groups=True,
+                  transfer_extent="allocated")
     refused = _diff(("handshake", "outcome", "status"), outcomes=("ok", "handshake-error"))
     push = dataclasses.replace(kimi, mode="push", prefill_tp=1, decode_tp=2)
     assert explain(refused, push, "0.34.0") == "push-block-geometry-refused-0.34"
@@ -223,14 +224,20 @@ def test_the_0_34_entries_need_their_release_deployment_and_shape() -> None:
         assert explain(dataclasses.replace(fewer, vllm_moved_less=more), same, "0.34.0") is None
     assert explain(fewer, same, "0.34.0") == "unheld-state-slots-0.34"
     assert explain(fewer, same, "0.33.0") is None
+    # only where the file ran the core with the reference extent: beside 0.34.0 the core
+    # otherwise moves what 0.34.0 moves, so fewer bytes under vLLM are new
+    for extent in (None, "needed"):
+        assert explain(fewer, dataclasses.replace(same, transfer_extent=extent), "0.34.0") is None
     even = dataclasses.replace(same, uneven_groups=False)
     assert explain(fewer, even, "0.34.0") is None
     parted = _diff(("descriptors", "nbytes"), outcomes=("ok", "request-failure"))
     assert explain(parted, same, "0.34.0") is None  # a smaller transfer leaves outcomes alone
     # ... or kernel blocks past the last token, pulled between different block geometries
     qwen = _facts(is_hybrid=True, kv_heads=2, prefill_blocks=(16, 16), decode_blocks=(64, 64),
-                  decode_block=64)
+                  decode_block=64, transfer_extent="allocated")
     assert explain(fewer, qwen, "0.34.0") == "sub-blocks-past-last-token-0.34"
+    for extent in (None, "needed"):
+        assert explain(fewer, dataclasses.replace(qwen, transfer_extent=extent), "0.34.0") is None
     assert explain(fewer, dataclasses.replace(qwen, decode_blocks=(16, 16)), "0.34.0") is None
     assert explain(fewer, dataclasses.replace(qwen, is_hybrid=False), "0.34.0") is None
     # a push across those geometries is refused in 0.34.0: one that ran and moved less is new
@@ -251,6 +258,14 @@ def test_facts_read_block_geometry_and_uneven_groups_from_a_scenario() -> None:
     assert not qwen.uneven_groups  # 3 attention, 9 GDN
     llama = facts(parse_scenarios(text.format(p="tiny-llama"), source="f.toml")[0])
     assert not llama.block_geometry_differs and not llama.uneven_groups
+    # the file's own transfer extent, None where it leaves it to the release
+    assert kimi.transfer_extent is None and not kimi.core_moved_allocated
+    for extent in ("allocated", "needed"):
+        chosen = text.replace("[workload]", f'[connector]\ntransfer_extent = "{extent}"\n'
+                              "[workload]")
+        got = facts(parse_scenarios(chosen.format(p="tiny-kimi-linear"), source="f.toml")[0])
+        assert got.transfer_extent == extent
+        assert got.core_moved_allocated == (extent == "allocated")
 
 
 def test_vllm_moved_less_only_where_every_request_whose_bytes_differ_moved_less() -> None:

@@ -124,7 +124,7 @@ def test_diff_agrees_on_mla_pull_and_reports_a_planted_divergence(
 
 
 def test_diff_names_the_documented_finding_behind_a_variants_differences(
-        vllm_required: str, capsys) -> None:
+        vllm_required: str, capsys, tmp_path: Path) -> None:
     # the MLA block-size-ratio damage, every release driven in CI
     mla = ROOT / "scenarios" / "vllm" / "finding-mla-block-size-ratio.toml"
     assert main(["diff", str(mla), "--json"]) == 1
@@ -133,16 +133,33 @@ def test_diff_names_the_documented_finding_behind_a_variants_differences(
     assert main(["diff", str(mla), "--allow-known"]) == 0
     out = capsys.readouterr().out
     assert "difference(s) [mla-block-size-ratio-last-block]" in out
-    # KimiLinear: 0.34.0 moves no state for the cache-group slots no layer holds; the earlier
-    # releases move what hkvsim's core moves
+    # KimiLinear: 0.34.0 moves no state for the cache-group slots no layer holds; beside it
+    # hkvsim's core runs with transfer extent "needed" and moves the same (beside the earlier
+    # releases, "allocated", what they move): no difference either way
     hybrid = ROOT / "scenarios" / "vllm" / "pull-full-prefix-hit-hybrid.toml"
     status = main(["diff", str(hybrid), "--json"])
     variants = json.loads(capsys.readouterr().out)["variants"]
+    extent = "needed" if vllm_required == "0.34.0" else "allocated"
+    assert status == 0 and not any(v["differences"] or v["known"] for v in variants)
+    assert {v["hkvsim_transfer_extent"] for v in variants} == {extent}
+    assert main(["diff", str(hybrid)]) == 0
+    out = capsys.readouterr().out
+    assert ("(transfer extent needed)" in out) == (vllm_required == "0.34.0")
+    # the file's own extent stands: "allocated" beside 0.34.0 moves the unheld slots, and the
+    # differences are labelled with the documented finding
+    text = hybrid.read_text().replace('implementation = "vllm"',
+                                      'implementation = "vllm"\ntransfer_extent = "allocated"')
+    assert 'transfer_extent = "allocated"' in text
+    chosen = tmp_path / "allocated.toml"
+    chosen.write_text(text)
+    status = main(["diff", str(chosen), "--json"])
+    variants = json.loads(capsys.readouterr().out)["variants"]
+    assert {v["hkvsim_transfer_extent"] for v in variants} == {"allocated"}
     if vllm_required == "0.34.0":
         assert status == 1 and all(v["differences"] for v in variants)
         assert {v["known"] for v in variants} == {"unheld-state-slots-0.34"}
     else:
-        assert status == 0 and not any(v["differences"] or v["known"] for v in variants)
+        assert status == 0 and not any(v["differences"] for v in variants)
 
 
 def test_fuzz_runs_both_connectors_and_reproduces_its_findings(vllm_required, tmp_path) -> None:
