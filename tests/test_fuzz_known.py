@@ -148,6 +148,9 @@ def test_every_entry_names_where_it_is_documented() -> None:
         assert known.name in (docs + triage), f"{known.name} is not named in {path}"
 
 
+ONE_ENTRY = {"vllm-0.34.0-kimi": 1, "vllm-0.34.0-qwen": 1, "nixl-vllm-0.34.0": 1}
+
+
 @pytest.mark.parametrize("folder", VLLM_REPORTS)
 def test_the_committed_vllm_reports_are_explained_as_they_say(folder) -> None:
     """Every finding of the committed runs against vLLM, explained again from its regenerated
@@ -176,7 +179,11 @@ def test_the_committed_vllm_reports_are_explained_as_they_say(folder) -> None:
     assert new == TRIAGED_NEW.get(folder, set())
     assert data["new_findings"] == sum(f["known"] is None for c in data["cases"]
                                        for f in c["findings"])
-    assert len(seen - {None}) >= 2
+    # every report exercises more than one entry, but the 0.34.0 runs that one entry
+    # explains whole (the push refusal: KimiLinear and Qwen3-Next only, and over real NIXL)
+    assert len(seen - {None}) >= ONE_ENTRY.get(folder, 2)
+    if data.get("hkvsim_transfer_extent") == "needed":  # the core moved what 0.34.0 moves
+        assert not seen & {"unheld-state-slots-0.34", "sub-blocks-past-last-token-0.34"}
 
 
 def test_allow_known_lets_a_run_whose_findings_are_all_explained_exit_0(monkeypatch,
