@@ -51,8 +51,8 @@ from .validate import (
     validate_remote_ranks,
 )
 
-__all__ = ["ConnectorSettings", "TRANSFER_EXTENTS", "ReadRequest", "ConnectorWorker", "RequestOutcome",
-           "parse_notification"]
+__all__ = ["ConnectorSettings", "TRANSFER_EXTENTS", "ReadRequest", "ConnectorWorker",
+           "RequestOutcome", "parse_notification"]
 
 
 @dataclass(frozen=True, kw_only=True)

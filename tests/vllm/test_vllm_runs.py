@@ -366,7 +366,7 @@ def test_a_full_prefix_hit_on_a_hybrid_pulls_nothing(vllm_required: str) -> None
 
     for s in load_scenarios(ROOT / "scenarios" / "vllm" / "pull-full-prefix-hit-hybrid.toml"):
         name = s.scenario.name
-        core = run_scenario(with_implementation(s, "hkvsim"))
+        core = run_scenario(with_implementation(s, "hkvsim", like_vllm=vllm_required))
         assert core.outcome == "ok" and core.verified and core.mismatched_bytes == 0, name
         assert core.records[1].transfers == 0 and core.records[1].nbytes == 0, name  # the hit
         assert core.records[2].nbytes > 0, name  # a hit on 1,280 of 1,399 tokens still reads
