@@ -156,7 +156,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "block-size-ratio-prefix-hit-shift",
         "docs/vllm.md: a decode prefix-cache hit with a block size ratio shifts the request",
-        frozenset({"0.26.0", "0.33.0"}),
+        frozenset({"0.26.0", "0.27.0", "0.33.0"}),
         lambda f: (f.mode == "pull" and not f.is_hybrid and f.decode_blocks_larger
                    and f.decode_prefix_hits),
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
@@ -179,7 +179,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "push-block-size-ratio-refused",
         "docs/vllm.md: push with a block size ratio is refused at prefill's reverse handshake",
-        frozenset({"0.26.0", "0.33.0"}),
+        frozenset({"0.26.0", "0.27.0", "0.33.0"}),
         lambda f: f.mode == "push" and f.block_size_ratio,
         frozenset({LEAK_AGENTS, REFUSED, DIFF}), _REFUSAL,
         vllm_outcomes=_any("handshake-error")),
@@ -193,7 +193,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "hybrid-failed-read-reported-loaded",
         "docs/vllm.md: a READ that fails on a hybrid model is reported as loaded",
-        frozenset({"0.26.0", "0.33.0", "0.34.0"}),
+        frozenset({"0.26.0", "0.27.0", "0.33.0", "0.34.0"}),
         lambda f: (f.mode == "pull" and f.is_hybrid
                    and (f.has_fault("fail-transfer") or f.has_fault("stall-transfer"))),
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING | _FAILURE),
@@ -217,15 +217,26 @@ KNOWN: tuple[KnownFinding, ...] = (
         outcome_with_faults=False),
     KnownFinding(
         "push-failed-write-unreported-0.26",
-        "docs/vllm.md: 0.26.0 never reports a push WRITE that failed (a failed push WRITE went "
-        "unseen)",
-        frozenset({"0.26.0"}),
+        "docs/vllm.md: 0.26.0 and 0.27.0 never report a push WRITE that failed (a failed push "
+        "WRITE went unseen)",
+        frozenset({"0.26.0", "0.27.0"}),
         lambda f: (f.mode == "push"  # a WRITE that fails, stalls, or whose post raises
                    and any(f.has_fault(k) for k in ("fail-transfer", "stall-transfer",
                                                      "disconnect-peer", "kill-rank"))),
         # its requests end failed, or never, but not with wrong bytes
         frozenset({HANG, LEAK_HELD, DIFF}),
         frozenset({"outcome", "byte_exact"}) | _ACCOUNTING | _FAILURE),
+    KnownFinding(
+        "pull-second-read-check-assert",
+        "docs/vllm.md: 0.26.0 and 0.27.0 assert when a second READ of a request they already "
+        "failed reports its raising check (finding-pull-poll-exception-two-reads.toml)",
+        frozenset({"0.26.0", "0.27.0"}),
+        # a decode rank posts more than one READ per request: every prefill rank of a larger
+        # TP (each holds part of the heads, or of the state), but pure MLA reads one
+        lambda f: (f.mode == "pull" and f.has_fault("fail-transfer", "poll")
+                   and f.prefill_tp > f.decode_tp and not (f.is_mla and not f.is_hybrid)),
+        # other requests fail (or are recomputed) by vLLM's assert: never wrong bytes
+        frozenset({DIFF}), frozenset({"outcome"}) | _ACCOUNTING | _FAILURE),
     KnownFinding(
         "push-partial-prefix-hit-0.26",
         "docs/vllm.md: push after a partial decode prefix-cache hit corrupts in 0.26.0 and 0.27.0",

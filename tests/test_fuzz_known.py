@@ -287,3 +287,33 @@ def test_vllm_moved_less_only_where_every_request_whose_bytes_differ_moved_less(
     assert not vllm_moved_less([nbytes(0, 1410048, 1260544), nbytes(2, 918528, 918529)])
     assert not vllm_moved_less([descriptors])  # no request's bytes differ
     assert not vllm_moved_less([])
+
+
+def test_a_second_raising_read_check_is_known_in_0_26_and_0_27_where_a_rank_reads_twice() -> None:
+    """pull-second-read-check-assert: a poll-phase fail-transfer where a decode rank posts more
+    than one READ per request (prefill TP above decode TP, not pure MLA), failures or
+    accounting differences only; 0.33.0 and 0.34.0 do not do it."""
+    poll = frozenset({("fail-transfer", "poll")})
+    gqa = _facts(prefill_tp=2, decode_tp=1, faults=poll)
+    failed = _diff(("failure_class", "status"), outcomes=("request-failure", "request-failure"))
+    recomputed = _diff(("per_rank", "sources"), outcomes=("ok", "ok"))
+    for version in ("0.26.0", "0.27.0"):
+        for finding in (failed, recomputed):
+            assert explain(finding, gqa, version) == "pull-second-read-check-assert"
+    for version in ("0.33.0", "0.34.0"):
+        assert explain(failed, gqa, version) is None
+    # one READ per decode rank: pure MLA with a larger prefill TP, or equal / smaller TPs
+    assert explain(failed, dataclasses.replace(gqa, is_mla=True, kv_heads=None),
+                   "0.27.0") is None
+    # (a hybrid's failed READ is the earlier, wider hybrid-failed-read-reported-loaded entry's)
+    hybrid_mla = dataclasses.replace(gqa, is_mla=True, is_hybrid=True, kv_heads=None)
+    assert explain(failed, hybrid_mla, "0.27.0") == "hybrid-failed-read-reported-loaded"
+    for tps in ((1, 1), (1, 2)):
+        assert explain(failed, dataclasses.replace(gqa, prefill_tp=tps[0], decode_tp=tps[1]),
+                       "0.27.0") is None
+    # another fault, another phase, push, or wrong bytes: not this finding
+    for faults in (frozenset({("fail-transfer", "completion")}),
+                   frozenset({("stall-transfer", None)}), frozenset()):
+        assert explain(failed, dataclasses.replace(gqa, faults=faults), "0.27.0") is None
+    assert explain(failed, dataclasses.replace(gqa, mode="push"), "0.27.0") is None
+    assert explain(_diff(("byte_exact", "outcome")), gqa, "0.27.0") is None

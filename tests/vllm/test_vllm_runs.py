@@ -16,6 +16,9 @@ from hkvsim.cluster import run_scenario
 from hkvsim.implementations.vllm.engine import release_workers
 from hkvsim.scenario import ScenarioError, load_scenarios
 from release_expect import (
+    HYBRID_FAILED_READ_LOADED,
+    MLA_BSR_DAMAGE,
+    PUSH_FAILURE_UNREPORTED,
     PUSH_GEOMETRY_034,
     assert_push_refused_by_034,
     push_refused_by_034,
@@ -261,7 +264,7 @@ def test_a_prefix_hit_with_a_block_size_ratio_is_shifted_by_vllm(vllm_required: 
     from hkvsim.implementations.diff import compare_results, with_implementation
 
     # request 0: 737 tokens, hit 64 (shifted); 1: 753, hit 64; 2: 737, no hit; 3: 768, hit 64
-    wrong = {"0.34.0": [], "0.33.0": [0], "0.26.0": [0, 2]}.get(vllm_required)
+    wrong = {"0.34.0": [], "0.33.0": [0], "0.27.0": [0], "0.26.0": [0, 2]}.get(vllm_required)
     if wrong is None:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     for s in load_scenarios(ROOT / "scenarios" / "vllm" / "finding-bsr-prefix-hit.toml"):
@@ -301,13 +304,14 @@ def test_mla_with_a_block_size_ratio_damages_a_half_covered_last_block(vllm_requ
     the request's prefill blocks end half way into a decode block, 0.33.0 zeroes that block's
     tail along the latent dimension (its post-process takes every cache as (blocks, heads,
     tokens, channels)), damaging the received token and leaving the tail stale; 0.26.0 leaves
-    the tail stale and the received tokens intact; 0.34.0 does as 0.33.0. hkvsim's core is
-    byte-exact."""
-    from hkvsim.implementations.diff import with_implementation
+    the tail stale and the received tokens intact; 0.34.0 does as 0.33.0; 0.27.0 is byte-exact,
+    with the descriptors and bytes of hkvsim's core. hkvsim's core is byte-exact."""
+    from hkvsim.implementations.diff import compare_results, with_implementation
 
-    received_damaged = {"0.34.0": True, "0.33.0": True, "0.26.0": False}.get(vllm_required)
-    if received_damaged is None:
+    if vllm_required not in MLA_BSR_DAMAGE:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+    damage = MLA_BSR_DAMAGE[vllm_required]
+    received_damaged = damage == "latent"
     path = ROOT / "scenarios" / "vllm" / "finding-mla-block-size-ratio.toml"
     for s in load_scenarios(path):
         name = s.scenario.name
@@ -315,6 +319,10 @@ def test_mla_with_a_block_size_ratio_damages_a_half_covered_last_block(vllm_requ
         assert core.outcome == "ok" and core.mismatched_bytes == 0, name
         vllm = run_scenario(s)
         assert [r.status for r in vllm.records] == ["ok"] * 4, name  # success reported
+        if damage is None:
+            assert vllm.outcome == "ok" and vllm.verified and vllm.mismatched_bytes == 0, name
+            assert compare_results(name, core, vllm) == [], name
+            continue
         # 737 and 745 tokens: 47 prefill blocks, the last decode block half covered
         assert [r.index for r in vllm.records if r.mismatched_words] == [0, 3], name
         assert [r.nbytes for r in vllm.records] == [r.nbytes for r in core.records], name
@@ -334,11 +342,11 @@ def test_a_second_remote_rank_of_a_smaller_block_size_leaks_a_list_in_0_26(vllm_
     """A vLLM finding (docs/vllm.md), found by hkvsim fuzz: 0.26.0 prepares a local descriptor
     list per remote rank registration with a block size ratio and keeps only the last under its
     block size, so one prepared list per extra remote rank (a second prefill rank, or a second
-    prefill instance) is left after shutdown; 0.33.0 and 0.34.0 prepare it once. All
+    prefill instance) is left after shutdown; 0.27.0, 0.33.0 and 0.34.0 prepare it once. All
     byte-exact, as is hkvsim's core, which leaves nothing behind."""
     from hkvsim.implementations.diff import with_implementation
 
-    leaked = {"0.34.0": 0, "0.33.0": 0, "0.26.0": 1}.get(vllm_required)
+    leaked = {"0.34.0": 0, "0.33.0": 0, "0.27.0": 0, "0.26.0": 1}.get(vllm_required)
     if leaked is None:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     path = ROOT / "scenarios" / "vllm" / "finding-bsr-local-list-leak.toml"
@@ -438,12 +446,12 @@ def test_a_packed_deepseek_cache_of_another_geometry_is_refused_for_vllm(
 @pytest.mark.timeout(300)
 def test_a_failed_read_of_a_hybrid_is_reported_as_loaded_by_vllm(vllm_required: str) -> None:
     """A vLLM finding (docs/vllm.md): request 1's READ ends in ERR. For a hybrid model vLLM
-    (0.26.0 and 0.33.0) logs the failure but records no load errors for models that need its
+    (0.26.0, 0.27.0, 0.33.0 and 0.34.0) logs the failure but records no load errors for models that need its
     hybrid memory allocator, so the request counts as loaded and its blocks hold no KV or state;
     hkvsim's core fails it as transfer_failed. The harness reports what vLLM says."""
     from hkvsim.implementations.diff import with_implementation
 
-    if vllm_required not in ("0.34.0", "0.33.0", "0.26.0"):
+    if vllm_required not in HYBRID_FAILED_READ_LOADED:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     path = ROOT / "scenarios" / "vllm" / "finding-hybrid-failed-transfer.toml"
     for s in load_scenarios(path):
@@ -471,13 +479,15 @@ def test_a_failed_write_fails_its_push_request(vllm_required: str) -> None:
     empties its own record of that in the same call): the harness sees it through vLLM's checks
     of its WRITEs, so the request fails as in hkvsim's core instead of the run hanging. 0.26.0
     never reports it (hkvsim's watchdog fails it as a stall), and its next poll on that prefill
-    rank trips an assert that fails the next request (docs/vllm.md). 0.34.0 does as 0.33.0,
+    rank trips an assert that fails the next request (docs/vllm.md); 0.27.0 does as 0.26.0.
+    0.34.0 does as 0.33.0,
     and refuses the KimiLinear pair (P TP2 -> D TP1: different kernel blocks per logical
     block) at the handshake."""
     from hkvsim.implementations.diff import compare_results, with_implementation
 
     expected = {"0.34.0": (["ok", "failed", "ok"], "transfer_failed"),
                 "0.33.0": (["ok", "failed", "ok"], "transfer_failed"),
+                "0.27.0": (["ok", "failed", "failed"], "stall"),
                 "0.26.0": (["ok", "failed", "failed"], "stall")}.get(vllm_required)
     if expected is None:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
@@ -497,7 +507,7 @@ def test_a_failed_write_fails_its_push_request(vllm_required: str) -> None:
             assert compare_results(name, core, vllm) == [], name
         else:
             assert "not found in recving_metadata" in (vllm.records[2].reason or ""), name
-            # 0.26.0 lists the request as sent although its WRITE ended in ERR: the harness
+            # 0.26.0 and 0.27.0 list the request as sent although its WRITE ended in ERR: the harness
             # reports no telemetry for it (it completed no transfer), as hkvsim's core
             assert vllm.records[1].telemetry == core.records[1].telemetry == [], name
 
@@ -541,7 +551,7 @@ def test_a_request_vllm_failed_is_classed_by_what_nixl_told_it(vllm_required: st
     no decode block quarantined."""
     from hkvsim.implementations.diff import diff_scenario
 
-    if vllm_required not in ("0.34.0", "0.33.0", "0.26.0"):
+    if vllm_required not in ("0.34.0", "0.33.0", "0.27.0", "0.26.0"):
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     old_push = {"poll": "vllm_failure", "setup": "stall"}
     for phase, failure in (("poll", "transfer_exception"), ("setup", "transfer_setup_failed")):
@@ -550,7 +560,7 @@ def test_a_request_vllm_failed_is_classed_by_what_nixl_told_it(vllm_required: st
             found, core, vllm = diff_scenario(s)
             assert [r.failure_class for r in core.records] == [None, failure, None], name
             assert vllm.mismatched_bytes == 0, name
-            if vllm_required == "0.26.0" and s.connector.mode == "push":
+            if vllm_required in PUSH_FAILURE_UNREPORTED and s.connector.mode == "push":
                 if phase == "poll" and s.decode.tp == s.prefill.tp:
                     # one WRITE per prefill rank: 0.26.0 releases the WRITE whose check raised
                     # and lists the request as sent (its bytes did land here; no telemetry), and
@@ -817,3 +827,34 @@ def test_the_harness_forwards_remote_num_tokens_as_vllms_proxy_does(
             "untransferred tail" in m for r in result.records for m in r.mismatches)
     else:
         assert result.outcome == "ok" and result.verified and result.mismatched_bytes == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_second_raising_read_check_asserts_in_0_26_and_0_27(vllm_required: str) -> None:
+    """A vLLM finding (docs/vllm.md; found by hkvsim fuzz under 0.27.0): a decode rank with two
+    READs for request 1 (GQA, prefill TP 2 -> decode TP 1), both of whose state checks raise.
+    0.26.0 and 0.27.0 fail request 1 as transfer_exception, then, at the second check, assert
+    that request 1 is "not found in recving_metadata", failing request 2 (nothing corrupted).
+    0.33.0 and 0.34.0 fail request 1 alone, as hkvsim's core does (0 differences)."""
+    from hkvsim.implementations.diff import diff_scenario
+
+    asserts = {"0.26.0": "base_worker.py:1985", "0.27.0": "base_worker.py:2081",
+               "0.33.0": None, "0.34.0": None}
+    if vllm_required not in asserts:
+        pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+    (s,) = load_scenarios(ROOT / "scenarios" / "vllm" /
+                          "finding-pull-poll-exception-two-reads.toml")
+    found, core, vllm = diff_scenario(s)
+    assert [r.failure_class for r in core.records] == [None, "transfer_exception", None]
+    assert core.mismatched_bytes == vllm.mismatched_bytes == 0 and vllm.hung == 0
+    where = asserts[vllm_required]
+    if where is None:
+        assert found == [], [str(d) for d in found]
+        return
+    assert [r.failure_class for r in vllm.records] == [None, "transfer_exception",
+                                                       "vllm_failure"]
+    reason = vllm.records[2].reason or ""
+    assert where in reason and "not found in recving_metadata list" in reason, reason
+    assert f"({vllm.records[1].request_id} not found" in reason, reason  # the one it failed
+    assert {d.request for d in found} == {2}, [str(d) for d in found]
+    assert not any(vllm.leaks.values()), vllm.leaks
