@@ -21,7 +21,8 @@ VLLM_REPORTS = ("vllm-0.33.0", "vllm-0.26.0", "vllm-0.33.0-faults", "vllm-0.33.0
                 "vllm-0.26.0-faults", "vllm-0.33.0-kimi-faults", "vllm-0.34.0",
                 "vllm-0.34.0-faults", "vllm-0.34.0-kimi", "vllm-0.34.0-kimi-faults",
                 "vllm-0.34.0-seed11", "vllm-0.34.0-faults-seed31", "vllm-0.34.0-qwen",
-                "vllm-0.34.0-qwen-faults", "nixl-vllm-0.34.0")
+                "vllm-0.34.0-qwen-faults", "nixl-vllm-0.34.0", "vllm-0.27.0",
+                "vllm-0.27.0-faults")
 # scenarios whose findings no entry explains, each triaged in reports/fuzz/README.md
 TRIAGED_NEW = {"vllm-0.26.0-faults": {39}}
 
@@ -315,5 +316,8 @@ def test_a_second_raising_read_check_is_known_in_0_26_and_0_27_where_a_rank_read
     for faults in (frozenset({("fail-transfer", "completion")}),
                    frozenset({("stall-transfer", None)}), frozenset()):
         assert explain(failed, dataclasses.replace(gqa, faults=faults), "0.27.0") is None
-    assert explain(failed, dataclasses.replace(gqa, mode="push"), "0.27.0") is None
+    # (push: that is 0.26.0's and 0.27.0's unreported failed WRITE)
+    assert explain(failed, dataclasses.replace(gqa, mode="push"), "0.27.0") == (
+        "push-failed-write-unreported-0.26")
+    assert explain(failed, dataclasses.replace(gqa, mode="push"), "0.33.0") is None
     assert explain(_diff(("byte_exact", "outcome")), gqa, "0.27.0") is None
