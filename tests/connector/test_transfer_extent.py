@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 
 from hkvsim.cluster import run_scenario
@@ -179,3 +181,59 @@ def test_beside_a_vllm_release_the_core_moves_what_that_release_moves(version: s
         assert core_extent(fixed, version) == chosen
         assert with_implementation(fixed, "hkvsim", like_vllm=version
                                    ).connector.transfer_extent == chosen
+
+
+def test_held_subregions_name_the_first_ids_and_bytes_of_the_sub_regions_asked_for() -> None:
+    # kimi-linear-48b TP8: 7 tensors x 4 state sub-regions (3 conv parts of 3,072 B and a
+    # 262,144 B recurrent state, docs/semantics.md §2.3); ask for tensor 1 and tensor 5 (not a
+    # prefix of the list), and for tensor 6's recurrent part alone
+    from hkvsim.connector.descriptors import local_descriptors
+
+    from ._helpers import layout, meta, state_regions
+
+    lay = layout("kimi-linear-48b", 8, block_size=64, num_blocks=100)
+    dl = local_descriptors(meta(lay), state_regions(lay))
+    assert (dl.num_attention_regions, dl.attention_blocks, dl.num_state_subregions,
+            dl.state_blocks) == (7, 400, 28, 100)
+    positions = (4, 5, 6, 7, 20, 21, 22, 23)
+    starts, slot_bytes = dl.held_subregions(positions)
+    # first ids: R_fa * N_fa + q * N_log for each sub-region q (docs/semantics.md §3.4)
+    assert starts.tolist() == [2800 + q * 100 for q in positions]
+    assert slot_bytes == 2 * (3 * 3_072 + 262_144)
+    assert dl.held_subregions((27,)) == (dl.held_subregions((27,))[0], 262_144)
+    assert dl.held_subregions(positions)[0] is starts  # made once: the same array
+    with pytest.raises(ValueError, match="outside the list's 28"):
+        dl.held_subregions((28,))
+
+
+def test_a_partial_group_moves_its_slots_over_its_sub_regions_only_after_the_rest() -> None:
+    # the ids one transfer names: every attention region's blocks, every state sub-region's
+    # full-group slots, then the partial group's slots over its sub-regions only (positions
+    # that are not a prefix of the list, as no preset has them, to pin the indexing)
+    from hkvsim.connector.descriptors import local_descriptors
+    from hkvsim.connector.worker import ConnectorWorker
+
+    from ._helpers import layout, meta, state_regions
+
+    lay = layout("tiny-kimi-linear", 1, block_size=64, num_blocks=40)
+    dl = local_descriptors(meta(lay), state_regions(lay))
+    remote = local_descriptors(meta(lay, engine="remote"), state_regions(lay))
+    worker = ConnectorWorker.__new__(ConnectorWorker)
+    worker._outer_ids = False
+    worker.settings = ConnectorSettings(transfer_extent="needed")
+    blocks = (np.array([3, 4], np.int64), np.array([7, 8], np.int64))
+    slots = (np.array([10, 11], np.int64), np.array([20, 21], np.int64))
+    sub = dl.num_state_subregions // 3  # sub-regions per tensor
+    positions = tuple(range(2 * sub, 3 * sub))  # the third tensor only
+    partial = [(positions, np.array([12], np.int64), np.array([22], np.int64))]
+    local_ids, remote_ids, nbytes = worker._transfer_ids(dl, remote, blocks, slots,
+                                                         (False, False), partial)
+    q = np.arange(dl.num_state_subregions)
+    want_local = np.concatenate([dl.attention_ids(blocks[0]), dl.state_ids(slots[0]),
+                                 dl.state_ids(np.array([12]))[q >= 2 * sub]])
+    want_remote = np.concatenate([remote.attention_ids(blocks[1]), remote.state_ids(slots[1]),
+                                  remote.state_ids(np.array([22]))[q >= 2 * sub]])
+    assert np.asarray(local_ids).tolist() == want_local.tolist()
+    assert np.asarray(remote_ids).tolist() == want_remote.tolist()
+    rows = dl.affine.materialise()
+    assert nbytes == int(rows[want_local, 1].sum())  # the bytes those descriptors name
