@@ -248,6 +248,12 @@ def generate(seed: int, index: int, options: FuzzOptions) -> tuple[str, str, str
         connector.append(f'quirks = ["{options.quirk}"]')
     if options.implementation == "vllm":  # the file then reproduces the run by itself
         connector.append('implementation = "vllm"')
+    # hkvsim's core alone: half the files move only what a request needs (transfer_extent, what
+    # vLLM 0.34.0 moves). Beside vLLM the core takes the release's extent instead. Drawn from
+    # a stream of its own, so every other draw of the file is unchanged
+    if options.implementation == "hkvsim" and random.Random(
+            f"hkvsim-fuzz-extent:{seed}:{index}").random() < 0.5:
+        connector.append('transfer_extent = "needed"')
     workload = [f"requests = {n}", f"prompt_tokens = {prompts}"]
     if caching:
         workload.append("prefix_hit_tokens = "

@@ -39,7 +39,7 @@ def test_scenarios_are_a_function_of_seed_and_index() -> None:
 
 def test_the_generator_covers_the_knobs_and_every_scenario_parses() -> None:
     seen: dict[str, set] = {k: set() for k in ("preset", "mode", "merge", "order", "p_tp",
-                                               "d_tp")}
+                                               "d_tp", "extent")}
     flags = {"warmed": 0, "hits": 0, "ratio": 0, "instances": 0, "poisson": 0, "cap": 0,
              "boundary": 0}
     for text in _texts(0, 300):
@@ -51,6 +51,7 @@ def test_the_generator_covers_the_knobs_and_every_scenario_parses() -> None:
         seen["order"].add(s.connector.registration_order)
         seen["p_tp"].add(s.prefill.tp)
         seen["d_tp"].add(s.decode.tp)
+        seen["extent"].add(s.connector.transfer_extent)
         flags["warmed"] += s.prefill.block_ids == "warmed" or s.decode.block_ids == "warmed"
         flags["hits"] += "prefix_hit_tokens" in raw["workload"]
         flags["ratio"] += raw["decode"].get("block_size", 0) > raw["prefill"].get(
@@ -63,8 +64,21 @@ def test_the_generator_covers_the_knobs_and_every_scenario_parses() -> None:
     assert seen == {"preset": set(FUZZ_PRESETS), "mode": {"pull", "push"},
                     "merge": {"off", "contiguous", "strided"},
                     "order": {"sorted", "state-first", "attention-first"},
-                    "p_tp": {1, 2, 4, 8}, "d_tp": {1, 2, 4, 8}}
+                    "p_tp": {1, 2, 4, 8}, "d_tp": {1, 2, 4, 8},
+                    "extent": {"allocated", "needed"}}
     assert all(n >= 15 for n in flags.values()), flags
+
+
+def test_the_transfer_extent_is_drawn_for_the_core_alone() -> None:
+    # beside vLLM the core takes the release's extent (a file that set one would keep it); the
+    # extent has a random stream of its own, so the rest of every file is drawn as before (the
+    # committed core reports, regenerated below, still match their presets and modes)
+    for implementation in ("both", "vllm"):
+        assert not any("transfer_extent" in t for t in _texts(0, 60,
+                                                             implementation=implementation))
+    needed = [t for t in _texts(0, 60) if 'transfer_extent = "needed"' in t]
+    assert 15 <= len(needed) <= 45
+    assert all(parse_scenarios(t)[0].connector.transfer_extent == "needed" for t in needed)
 
 
 def test_faults_are_added_only_when_asked_and_parse() -> None:
