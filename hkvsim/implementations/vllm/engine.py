@@ -59,15 +59,15 @@ PROVISION_HINT = "scripts/with-vllm 0.34.0 hkvsim run FILE"
 # "vLLM 0.34.0"): 0.34.0 moves no state over shared tensors no layer of the slot's group holds,
 # and stops a pull between engines of different block sizes at the last computed token
 _TRANSFER_EXTENT = {"0.34.0": "needed"}
+_NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+_CLOCK_MODULES = ("base_worker", "pull_worker", "push_worker", "base_scheduler",
+                  "pull_scheduler", "push_scheduler")
 
 
 def release_transfer_extent(version: str) -> str:
     """The core's transfer_extent that moves what vLLM ``version`` moves ("allocated" for the
     releases before 0.34.0)."""
     return _TRANSFER_EXTENT.get(version, "allocated")
-_NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
-_CLOCK_MODULES = ("base_worker", "pull_worker", "push_worker", "base_scheduler",
-                  "pull_scheduler", "push_scheduler")
 
 
 class VllmUnavailable(RuntimeError):
