@@ -105,12 +105,15 @@ class DescriptorList:
         return got
 
     def outer_ids(self, block_ids: np.ndarray | None, slot_ids: np.ndarray | None, *,
-                  frozen: bool = False, block_range: bool = False) -> OuterIds:
+                  frozen: bool = False, block_range: bool = False,
+                  held: "Sequence[tuple[tuple[int, ...], np.ndarray]]" = ()) -> OuterIds:
         """``attention_ids(block_ids)`` then ``state_ids(slot_ids)`` (None: none), as the
         OuterIds they are: the transport can check them from their structure. ``frozen``: the
         caller never modifies the arrays (see OuterIds). ``block_range``: the caller knows
-        ``block_ids`` to be consecutive ids (OuterIds.ranges)."""
-        if block_ids is not None and slot_ids is not None:  # (the common case: both parts)
+        ``block_ids`` to be consecutive ids (OuterIds.ranges). ``held``: (sub-region
+        positions, slots) moved over those state sub-regions only (transfer extent "needed":
+        :meth:`held_subregions`), one more part each, after the rest."""
+        if block_ids is not None and slot_ids is not None and not held:  # the common case
             return OuterIds.of_two(self.region_starts, block_ids, self.subregion_starts,
                                    slot_ids, frozen=frozen, first_range=block_range)
         parts = []
@@ -121,7 +124,15 @@ class DescriptorList:
         if slot_ids is not None:
             parts.append((self.subregion_starts, slot_ids))
             ranges.append(False)
+        for positions, slots in held:
+            parts.append((self.held_subregions(positions)[0], slots))
+            ranges.append(False)
         return OuterIds.of_arrays(parts, frozen=frozen, ranges=ranges if block_range else None)
+
+    def held_bytes(self, held: "Sequence[tuple[tuple[int, ...], np.ndarray]]") -> int:
+        """Bytes :meth:`outer_ids` names for its ``held`` parts."""
+        return sum(slots.size * self.held_subregions(positions)[1]
+                   for positions, slots in held)
 
     def attention_ids(self, block_ids: np.ndarray) -> np.ndarray:
         """ids r*N_fa + k for every attention region r (region-major), k in ``block_ids``."""

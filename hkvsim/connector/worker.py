@@ -446,52 +446,22 @@ class ConnectorWorker:
         extent "needed"; _PairedBlocks.state_partial, local and remote as ``slots``), after
         the rest."""
         (la, ra), (ls, rs) = blocks or (None, None), slots or (None, None)
-        if partial:
-            return self._transfer_ids_partial(local_list, remote_list, (la, ra), (ls, rs),
-                                              ranges, partial)
+        local_held: "Sequence[tuple[tuple[int, ...], np.ndarray]]" = ()
+        remote_held: "Sequence[tuple[tuple[int, ...], np.ndarray]]" = ()
+        if partial and ls is not None:  # (they ride with the state part)
+            local_held = [(q, local) for q, local, _ in partial]
+            remote_held = [(q, remote) for q, _, remote in partial]
         # the paired ids are never modified once made (_PairedBlocks): frozen columns
-        local_ids = local_list.outer_ids(la, ls, frozen=True, block_range=ranges[0])
-        remote_ids = remote_list.outer_ids(ra, rs, frozen=True, block_range=ranges[1])
+        local_ids = local_list.outer_ids(la, ls, frozen=True, block_range=ranges[0],
+                                         held=local_held)
+        remote_ids = remote_list.outer_ids(ra, rs, frozen=True, block_range=ranges[1],
+                                           held=remote_held)
         nbytes = ((0 if la is None else la.size * local_list.attention_bytes)
-                  + (0 if ls is None else ls.size * local_list.state_bytes))
+                  + (0 if ls is None else ls.size * local_list.state_bytes)
+                  + (local_list.held_bytes(local_held) if local_held else 0))
         if not self._outer_ids and self.settings.descriptor_merge == "off":
             return local_ids.flat(), remote_ids.flat(), nbytes
         return local_ids, remote_ids, nbytes  # merging reads their structure (_make_xfer)
-
-    def _transfer_ids_partial(self, local_list: DescriptorList, remote_list: DescriptorList,
-                              blocks: tuple[Any, Any], slots: tuple[Any, Any],
-                              ranges: tuple[bool, bool],
-                              partial: "Sequence[tuple[tuple[int, ...], np.ndarray, np.ndarray]]",
-                              ) -> tuple[Any, Any, int]:
-        """_transfer_ids with state slots moved over some sub-regions only: one more part per
-        such group, its rows the first ids of those sub-regions (the same array for the same
-        list and sub-regions: DescriptorList.held_subregions)."""
-        (la, ra), (ls, rs) = blocks, slots
-        local_parts: list[tuple[np.ndarray, np.ndarray]] = []
-        remote_parts: list[tuple[np.ndarray, np.ndarray]] = []
-        nbytes = 0
-        if la is not None:
-            local_parts.append((local_list.region_starts, la))
-            remote_parts.append((remote_list.region_starts, ra))
-            nbytes += la.size * local_list.attention_bytes
-        if ls is not None:
-            local_parts.append((local_list.subregion_starts, ls))
-            remote_parts.append((remote_list.subregion_starts, rs))
-            nbytes += ls.size * local_list.state_bytes
-            for positions, local_slots, remote_slots in partial:
-                starts, slot_bytes = local_list.held_subregions(positions)
-                local_parts.append((starts, local_slots))
-                remote_parts.append((remote_list.held_subregions(positions)[0], remote_slots))
-                nbytes += local_slots.size * slot_bytes
-        flags = [la is not None and ranges[0]] + [False] * (len(local_parts) - 1)
-        flags_r = [la is not None and ranges[1]] + [False] * (len(remote_parts) - 1)
-        local_ids = OuterIds.of_arrays(local_parts, frozen=True,
-                                       ranges=flags if any(flags) else None)
-        remote_ids = OuterIds.of_arrays(remote_parts, frozen=True,
-                                        ranges=flags_r if any(flags_r) else None)
-        if not self._outer_ids and self.settings.descriptor_merge == "off":
-            return local_ids.flat(), remote_ids.flat(), nbytes
-        return local_ids, remote_ids, nbytes
 
     def _pair_blocks(self, *, prefill_blocks: Mapping[int, np.ndarray],
                      decode_blocks: Mapping[int, np.ndarray], hit_blocks: int, ppl_p: int,
@@ -622,8 +592,7 @@ class ConnectorWorker:
         handles: list[int] = []
         for rank, remote in remotes.items():
             reads_attention = rank in plan.attention_sources and la.size > 0
-            reads_state = rank in plan.state_sources and (
-                ls.size > 0 or bool(paired.state_partial))
+            reads_state = rank in plan.state_sources and paired.state_slots > 0
             if not (reads_attention or reads_state):
                 # Never-read rank (pure-MLA broadcast, or nothing to move): notification only,
                 # with prefill's request id so prefill can free.
