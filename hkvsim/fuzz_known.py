@@ -143,7 +143,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "mla-block-size-ratio-last-block",
         "docs/vllm.md: MLA with a block size ratio damages the last decode block",
-        frozenset({"0.26.0", "0.33.0", "0.34.0"}),
+        frozenset({"0.26.0", "0.32.0", "0.33.0", "0.34.0"}),  # 0.27.0-0.31.0 byte-exact
         lambda f: f.mode == "pull" and f.is_mla and not f.is_hybrid and f.decode_blocks_larger,
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
         with_faults=_FAILURE),
@@ -156,7 +156,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "block-size-ratio-prefix-hit-shift",
         "docs/vllm.md: a decode prefix-cache hit with a block size ratio shifts the request",
-        frozenset({"0.26.0", "0.27.0", "0.33.0"}),
+        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0"}),
         lambda f: (f.mode == "pull" and not f.is_hybrid and f.decode_blocks_larger
                    and f.decode_prefix_hits),
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
@@ -164,7 +164,8 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "gqa-push-replicated-decode-heads",
         "docs/vllm.md: GQA push to a decode TP larger than the KV-head count corrupts silently",
-        frozenset({"0.26.0", "0.27.0", "0.33.0"}),  # 0.34.0 refuses these pairs (next entry)
+        # 0.34.0 refuses these pairs (next entry)
+        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0"}),
         lambda f: (f.mode == "push" and f.kv_heads is not None and f.decode_tp > f.kv_heads
                    and f.prefill_tp < f.decode_tp),
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
@@ -179,7 +180,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "push-block-size-ratio-refused",
         "docs/vllm.md: push with a block size ratio is refused at prefill's reverse handshake",
-        frozenset({"0.26.0", "0.27.0", "0.33.0"}),
+        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0"}),
         lambda f: f.mode == "push" and f.block_size_ratio,
         frozenset({LEAK_AGENTS, REFUSED, DIFF}), _REFUSAL,
         vllm_outcomes=_any("handshake-error")),
@@ -193,7 +194,8 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "hybrid-failed-read-reported-loaded",
         "docs/vllm.md: a READ that fails on a hybrid model is reported as loaded",
-        frozenset({"0.26.0", "0.27.0", "0.33.0", "0.34.0"}),
+        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0",
+                   "0.34.0"}),
         lambda f: (f.mode == "pull" and f.is_hybrid
                    and (f.has_fault("fail-transfer") or f.has_fault("stall-transfer"))),
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING | _FAILURE),
@@ -217,9 +219,9 @@ KNOWN: tuple[KnownFinding, ...] = (
         outcome_with_faults=False),
     KnownFinding(
         "push-failed-write-unreported-0.26",
-        "docs/vllm.md: 0.26.0 and 0.27.0 never report a push WRITE that failed (a failed push "
+        "docs/vllm.md: 0.26.0 to 0.29.0 never report a push WRITE that failed (a failed push "
         "WRITE went unseen)",
-        frozenset({"0.26.0", "0.27.0"}),
+        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0"}),
         lambda f: (f.mode == "push"  # a WRITE that fails, stalls, or whose post raises
                    and any(f.has_fault(k) for k in ("fail-transfer", "stall-transfer",
                                                      "disconnect-peer", "kill-rank"))),
@@ -228,15 +230,23 @@ KNOWN: tuple[KnownFinding, ...] = (
         frozenset({"outcome", "byte_exact"}) | _ACCOUNTING | _FAILURE),
     KnownFinding(
         "pull-second-read-check-assert",
-        "docs/vllm.md: 0.26.0 and 0.27.0 assert when a second READ of a request they already "
+        "docs/vllm.md: 0.26.0 to 0.29.0 assert when a second READ of a request they already "
         "failed reports its raising check (finding-pull-poll-exception-two-reads.toml)",
-        frozenset({"0.26.0", "0.27.0"}),
+        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0"}),
         # a decode rank posts more than one READ per request: every prefill rank of a larger
         # TP (each holds part of the heads, or of the state), but pure MLA reads one
         lambda f: (f.mode == "pull" and f.has_fault("fail-transfer", "poll")
                    and f.prefill_tp > f.decode_tp and not (f.is_mla and not f.is_hybrid)),
         # other requests fail (or are recomputed) by vLLM's assert: never wrong bytes
         frozenset({DIFF}), frozenset({"outcome"}) | _ACCOUNTING | _FAILURE),
+    KnownFinding(
+        "pull-peer-death-assert-0.29",
+        "docs/vllm.md: 0.29.0 asserts on the decode rank that saw a prefill peer die during its "
+        "post, failing that rank's other requests (finding-peer-death-assert-0.29.toml)",
+        frozenset({"0.29.0"}),
+        lambda f: f.mode == "pull" and f.has_fault("disconnect-peer"),
+        # other requests fail (or are recomputed) by vLLM's assert: never wrong bytes
+        frozenset({DIFF}), frozenset({"outcome", "byte_exact"}) | _ACCOUNTING | _FAILURE),
     KnownFinding(
         "push-partial-prefix-hit-0.26",
         "docs/vllm.md: push after a partial decode prefix-cache hit corrupts in 0.26.0 and 0.27.0",

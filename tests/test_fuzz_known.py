@@ -22,7 +22,8 @@ VLLM_REPORTS = ("vllm-0.33.0", "vllm-0.26.0", "vllm-0.33.0-faults", "vllm-0.33.0
                 "vllm-0.34.0-faults", "vllm-0.34.0-kimi", "vllm-0.34.0-kimi-faults",
                 "vllm-0.34.0-seed11", "vllm-0.34.0-faults-seed31", "vllm-0.34.0-qwen",
                 "vllm-0.34.0-qwen-faults", "nixl-vllm-0.34.0", "vllm-0.27.0",
-                "vllm-0.27.0-faults")
+                "vllm-0.27.0-faults", "vllm-0.32.0", "vllm-0.28.0-faults",
+                "vllm-0.29.0-faults", "vllm-0.31.0-faults")
 # scenarios whose findings no entry explains, each triaged in reports/fuzz/README.md
 TRIAGED_NEW = {"vllm-0.26.0-faults": {39}}
 
@@ -321,3 +322,32 @@ def test_a_second_raising_read_check_is_known_in_0_26_and_0_27_where_a_rank_read
         "push-failed-write-unreported-0.26")
     assert explain(failed, dataclasses.replace(gqa, mode="push"), "0.33.0") is None
     assert explain(_diff(("byte_exact", "outcome")), gqa, "0.27.0") is None
+
+
+def test_every_entry_names_only_releases_the_harness_drives() -> None:
+    """A finding recorded for a release the harness does not drive could never be checked
+    (and 0.30.0, which it refuses, must not be listed as seen)."""
+    from hkvsim.implementations.vllm.engine import SUPPORTED_VERSIONS
+
+    for known in KNOWN:
+        if known.releases is not None:
+            assert known.releases <= set(SUPPORTED_VERSIONS), (known.name, known.releases)
+
+
+def test_a_release_the_harness_does_not_drive_is_refused_naming_why() -> None:
+    from hkvsim.geometry.presets import preset
+    from hkvsim.implementations.vllm.engine import SUPPORTED_VERSIONS, unsupported
+
+    model = preset("tiny-deepseek")
+    why = unsupported(model, "pull", "0.30.0")
+    assert why is not None and "never reports a finished push as sent" in why, why
+    assert "0.31.0" in why and "0.30.0" not in why.split("runnable:")[1], why
+    assert "not driven" in (unsupported(model, "pull", "0.25.0") or "")
+    for version in SUPPORTED_VERSIONS:  # every release from 0.26.0 but 0.30.0
+        assert unsupported(model, "pull", version) is None, version
+    assert SUPPORTED_VERSIONS == ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0",
+                                  "0.33.0", "0.34.0")
+    # scripts/with-vllm provisions exactly these (and scripts/vllm-releases runs them)
+    script = (Path(__file__).resolve().parent.parent / "scripts" / "with-vllm").read_text()
+    (line,) = [x for x in script.splitlines() if x.startswith("supported=")]
+    assert tuple(line.split("=", 1)[1].strip('"').split()) == SUPPORTED_VERSIONS

@@ -34,16 +34,49 @@ def assert_push_refused_by_034(result, name: str) -> None:
     assert result.corrupted == 0 and result.leaks["after_shutdown"] == 0, name
 
 
-# Releases that share a behaviour where the releases part ways (docs/vllm.md). 0.27.0, the first
-# release after #49762 on PyPI, keeps 0.26.0's push failure handling and 0.33.0's prefix-hit
-# shift, and its MLA pull with a block size ratio is byte-exact.
+# Every release the harness drives, oldest first (its SUPPORTED_VERSIONS: 0.30.0 is not driven,
+# docs/vllm.md); each was run through these tests (scripts/vllm-releases, reports/vllm-releases/;
+# CI runs 0.26.0, 0.27.0, 0.33.0 and 0.34.0).
+RELEASES = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
+
+
+def releases(first: str, last: str = RELEASES[-1]) -> frozenset[str]:
+    """The releases from ``first`` to ``last``, both included."""
+    return frozenset(RELEASES[RELEASES.index(first):RELEASES.index(last) + 1])
+
+
+# Releases that share a behaviour where the releases part ways (docs/vllm.md, "Release by
+# release"). 0.27.0, the first release after #49762 on PyPI, keeps 0.26.0's push failure
+# handling and 0.33.0's prefix-hit shift, and its MLA pull with a block size ratio is byte-exact.
 # a push WRITE that ends in ERR, or whose post or check raises, is never reported failed:
 # decode's watchdog calls it a stall and the next poll on that prefill rank asserts ("not found
 # in recving_metadata")
-PUSH_FAILURE_UNREPORTED = frozenset({"0.26.0", "0.27.0"})
+PUSH_FAILURE_UNREPORTED = releases("0.26.0", "0.29.0")
 # a failed READ of a hybrid counts as loaded (finding-hybrid-failed-transfer.toml)
-HYBRID_FAILED_READ_LOADED = frozenset({"0.26.0", "0.27.0", "0.33.0", "0.34.0"})
+HYBRID_FAILED_READ_LOADED = frozenset(RELEASES)
 # MLA with a block size ratio, a half-covered last decode block: "latent" (the received tokens'
 # latent vector cut and the tail stale), "tail" (the untransferred tail left stale), None
 # (byte-exact)
-MLA_BSR_DAMAGE = {"0.34.0": "latent", "0.33.0": "latent", "0.27.0": None, "0.26.0": "tail"}
+MLA_BSR_DAMAGE = {"0.26.0": "tail", **dict.fromkeys(releases("0.27.0", "0.31.0")),
+                  **dict.fromkeys(releases("0.32.0"), "latent")}
+# a pull after a decode prefix hit with a block size ratio: the requests vLLM shifts by a
+# prefill block (finding-bsr-prefix-hit.toml; 0.26.0 also leaves request 2's tail stale)
+BSR_PREFIX_HIT_SHIFTED = {"0.26.0": [0, 2], **{v: [0] for v in releases("0.27.0", "0.33.0")},
+                          "0.34.0": []}
+# push after a partial decode prefix hit head-trims prefill's list: silent corruption
+PUSH_PREFIX_HEAD_TRIM = releases("0.26.0", "0.27.0")
+# a decode rank with two READs of a request whose checks both raise: where the second check
+# asserts ("not found in recving_metadata list"), None where the request fails alone
+SECOND_READ_CHECK_ASSERT = {"0.26.0": "base_worker.py:1985", "0.27.0": "base_worker.py:2081",
+                            "0.28.0": "base_worker.py:2095", "0.29.0": "base_worker.py:2245",
+                            **dict.fromkeys(releases("0.31.0"))}
+# a prefill peer that dies as a decode rank posts to it: where that rank then asserts for the
+# requests it is receiving from other prefill instances, None where it fails the one request
+PEER_DEATH_ASSERT = {"0.29.0": "base_worker.py:2245",
+                     **dict.fromkeys(set(RELEASES) - {"0.29.0"})}
+# the #49762 asserts: a hybrid pull with prefill TP > decode TP (pull_worker.py:167) and a
+# hybrid MLA push with prefill TP < decode TP (push_worker.py:518)
+ASSERTS_BEFORE_49762 = frozenset({"0.26.0"})
+assert set(MLA_BSR_DAMAGE) == set(BSR_PREFIX_HIT_SHIFTED) == set(SECOND_READ_CHECK_ASSERT) \
+    == set(PEER_DEATH_ASSERT) == set(RELEASES)
+

@@ -10,7 +10,12 @@ import pytest
 from hkvsim.cluster import run_scenario
 from hkvsim.scenario import load_scenarios
 
-from release_expect import assert_push_refused_by_034, push_refused_by_034
+from release_expect import (
+    ASSERTS_BEFORE_49762,
+    RELEASES,
+    assert_push_refused_by_034,
+    push_refused_by_034,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = ROOT / "scenarios" / "vllm"
@@ -107,10 +112,9 @@ def _check_per_release(scenarios, vllm_required: str, *, fails_026=lambda p, d: 
         result = run_scenario(s)
         name = s.scenario.name
         assert result.implementation == {"name": "vllm", "version": vllm_required}
-        if vllm_required in ("0.27.0", "0.33.0"):
-            assert _byte_exact(result), (name, result.outcome)
-            _agrees_with_the_core(s, result, vllm_required)
-        elif vllm_required == "0.34.0":
+        if vllm_required not in RELEASES:
+            pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+        if vllm_required == "0.34.0":
             # push between engines of different block geometry (a hybrid's logical block
             # follows its TP) is refused at the handshake; every other pair is byte-exact,
             # and moves what hkvsim's core moves with transfer_extent "needed"
@@ -119,17 +123,15 @@ def _check_per_release(scenarios, vllm_required: str, *, fails_026=lambda p, d: 
             else:
                 assert _byte_exact(result), (name, result.outcome)
                 _agrees_with_the_core(s, result, vllm_required)
-        elif vllm_required == "0.26.0":
-            if fails_026(s.prefill.tp, s.decode.tp):  # fails loudly, vLLM's own assert named
-                assert result.outcome == "request-failure", (name, result.outcome)
-                assert all(r.status == "failed" and r.failure_class == "vllm_failure"
-                           and assert_026 in (r.reason or "") for r in result.records), name
-                assert result.corrupted == 0
-            else:  # decode TP > prefill TP: one source rank per decode rank, byte-exact
-                assert _byte_exact(result), (name, result.outcome)
-                _agrees_with_the_core(s, result, vllm_required)
-        else:
-            pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+        elif vllm_required in ASSERTS_BEFORE_49762 and fails_026(s.prefill.tp, s.decode.tp):
+            # fails loudly, vLLM's own assert named
+            assert result.outcome == "request-failure", (name, result.outcome)
+            assert all(r.status == "failed" and r.failure_class == "vllm_failure"
+                       and assert_026 in (r.reason or "") for r in result.records), name
+            assert result.corrupted == 0
+        else:  # (0.26.0: decode TP > prefill TP, one source rank per decode rank) byte-exact
+            assert _byte_exact(result), (name, result.outcome)
+            _agrees_with_the_core(s, result, vllm_required)
 
 
 @pytest.mark.timeout(300)

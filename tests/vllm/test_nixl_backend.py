@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 
 from hkvsim.scenario import load_scenarios
-from release_expect import assert_push_refused_by_034, push_refused_by_034
+from release_expect import (
+    ASSERTS_BEFORE_49762,
+    RELEASES,
+    assert_push_refused_by_034,
+    push_refused_by_034,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = ROOT / "scenarios" / "vllm"
@@ -74,10 +79,10 @@ def _check(result, scenario, version: str, *, fails_026: bool, assert_026: str) 
     if version == "0.34.0" and scenario.connector.mode == "push" and push_refused_by_034(
             scenario):  # refused at the handshake, in the real rank processes too
         assert_push_refused_by_034(result, scenario.scenario.name)
-    elif version in ("0.27.0", "0.33.0", "0.34.0") or (version == "0.26.0" and not fails_026):
+    elif version in RELEASES and not (version in ASSERTS_BEFORE_49762 and fails_026):
         assert _byte_exact(result), (result.outcome, [(r.status, r.reason)
                                                       for r in result.records])
-    elif version == "0.26.0":  # fails loudly at vLLM's own assert, no byte corrupted
+    elif version in ASSERTS_BEFORE_49762:  # fails loudly at vLLM's own assert, no byte corrupted
         assert result.outcome == "request-failure", result.outcome
         assert all(r.status == "failed" and r.failure_class == "vllm_failure"
                    and assert_026 in (r.reason or "") for r in result.records), [

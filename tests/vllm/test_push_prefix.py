@@ -11,7 +11,12 @@ import pytest
 from hkvsim.cluster import run_scenario
 from hkvsim.results import expectation_problems
 from hkvsim.scenario import load_scenarios
-from release_expect import assert_push_refused_by_034, push_refused_by_034
+from release_expect import (
+    PUSH_PREFIX_HEAD_TRIM,
+    RELEASES,
+    assert_push_refused_by_034,
+    push_refused_by_034,
+)
 
 VLLM = Path(__file__).resolve().parents[2] / "scenarios" / "vllm"
 
@@ -32,17 +37,17 @@ def test_push_after_a_partial_prefix_hit_per_release(vllm_required: str) -> None
         assert first.prefix_hit_tokens == 0 and hit.effective_prefix_hit_tokens > 0
         # the request without a hit is byte-exact under every release
         assert first.status == "ok" and first.mismatched_words == 0 and first.nbytes > 0, name
-        if vllm_required in ("0.33.0", "0.34.0"):  # end-trim prefill's list to decode's tail
+        if vllm_required not in RELEASES:
+            pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+        if vllm_required not in PUSH_PREFIX_HEAD_TRIM:  # end-trim prefill's list to decode's tail
             assert result.outcome == "ok" and result.corrupted == 0, (name, result.outcome)
             assert hit.status == "ok" and hit.mismatched_words == 0 and hit.nbytes > 0, name
-        elif vllm_required in ("0.26.0", "0.27.0"):
+        else:
             # head-trims it ("Align per-group block counts for push": [:num_remote]): the
             # cached prefix's blocks land in decode's uncached slots, success reported
             assert result.outcome == "corruption", (name, result.outcome)
             assert hit.status == "ok" and hit.mismatched_words > 0, name
             assert result.corrupted == 1
-        else:
-            pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
 
 
 @pytest.mark.timeout(120)

@@ -16,12 +16,17 @@ from hkvsim.cluster import run_scenario
 from hkvsim.implementations.vllm.engine import release_workers
 from hkvsim.scenario import ScenarioError, load_scenarios
 from release_expect import (
+    BSR_PREFIX_HIT_SHIFTED,
     HYBRID_FAILED_READ_LOADED,
     MLA_BSR_DAMAGE,
+    PEER_DEATH_ASSERT,
     PUSH_FAILURE_UNREPORTED,
     PUSH_GEOMETRY_034,
+    RELEASES,
+    SECOND_READ_CHECK_ASSERT,
     assert_push_refused_by_034,
     push_refused_by_034,
+    releases,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,7 +269,7 @@ def test_a_prefix_hit_with_a_block_size_ratio_is_shifted_by_vllm(vllm_required: 
     from hkvsim.implementations.diff import compare_results, with_implementation
 
     # request 0: 737 tokens, hit 64 (shifted); 1: 753, hit 64; 2: 737, no hit; 3: 768, hit 64
-    wrong = {"0.34.0": [], "0.33.0": [0], "0.27.0": [0], "0.26.0": [0, 2]}.get(vllm_required)
+    wrong = BSR_PREFIX_HIT_SHIFTED.get(vllm_required)
     if wrong is None:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     for s in load_scenarios(ROOT / "scenarios" / "vllm" / "finding-bsr-prefix-hit.toml"):
@@ -346,7 +351,7 @@ def test_a_second_remote_rank_of_a_smaller_block_size_leaks_a_list_in_0_26(vllm_
     byte-exact, as is hkvsim's core, which leaves nothing behind."""
     from hkvsim.implementations.diff import with_implementation
 
-    leaked = {"0.34.0": 0, "0.33.0": 0, "0.27.0": 0, "0.26.0": 1}.get(vllm_required)
+    leaked = {"0.26.0": 1, **dict.fromkeys(releases("0.27.0"), 0)}.get(vllm_required)
     if leaked is None:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     path = ROOT / "scenarios" / "vllm" / "finding-bsr-local-list-leak.toml"
@@ -485,12 +490,10 @@ def test_a_failed_write_fails_its_push_request(vllm_required: str) -> None:
     block) at the handshake."""
     from hkvsim.implementations.diff import compare_results, with_implementation
 
-    expected = {"0.34.0": (["ok", "failed", "ok"], "transfer_failed"),
-                "0.33.0": (["ok", "failed", "ok"], "transfer_failed"),
-                "0.27.0": (["ok", "failed", "failed"], "stall"),
-                "0.26.0": (["ok", "failed", "failed"], "stall")}.get(vllm_required)
-    if expected is None:
+    if vllm_required not in RELEASES:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+    expected = ((["ok", "failed", "failed"], "stall") if vllm_required in PUSH_FAILURE_UNREPORTED
+                else (["ok", "failed", "ok"], "transfer_failed"))
     statuses, failure = expected
     for s in load_scenarios(ROOT / "scenarios" / "vllm" / "fail-write-push.toml"):
         name = s.scenario.name
@@ -503,11 +506,11 @@ def test_a_failed_write_fails_its_push_request(vllm_required: str) -> None:
         assert vllm.hung == 0 and vllm.mismatched_bytes == 0, name
         assert [r.status for r in vllm.records] == statuses, name
         assert vllm.records[1].failure_class == failure, name
-        if vllm_required in ("0.33.0", "0.34.0"):
+        if vllm_required not in PUSH_FAILURE_UNREPORTED:
             assert compare_results(name, core, vllm) == [], name
         else:
             assert "not found in recving_metadata" in (vllm.records[2].reason or ""), name
-            # 0.26.0 and 0.27.0 list the request as sent although its WRITE ended in ERR: the harness
+            # 0.26.0 to 0.29.0 list the request as sent although its WRITE ended in ERR: the harness
             # reports no telemetry for it (it completed no transfer), as hkvsim's core
             assert vllm.records[1].telemetry == core.records[1].telemetry == [], name
 
@@ -551,7 +554,7 @@ def test_a_request_vllm_failed_is_classed_by_what_nixl_told_it(vllm_required: st
     no decode block quarantined."""
     from hkvsim.implementations.diff import diff_scenario
 
-    if vllm_required not in ("0.34.0", "0.33.0", "0.27.0", "0.26.0"):
+    if vllm_required not in RELEASES:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     old_push = {"poll": "vllm_failure", "setup": "stall"}
     for phase, failure in (("poll", "transfer_exception"), ("setup", "transfer_setup_failed")):
@@ -838,8 +841,7 @@ def test_a_second_raising_read_check_asserts_in_0_26_and_0_27(vllm_required: str
     0.33.0 and 0.34.0 fail request 1 alone, as hkvsim's core does (0 differences)."""
     from hkvsim.implementations.diff import diff_scenario
 
-    asserts = {"0.26.0": "base_worker.py:1985", "0.27.0": "base_worker.py:2081",
-               "0.33.0": None, "0.34.0": None}
+    asserts = SECOND_READ_CHECK_ASSERT
     if vllm_required not in asserts:
         pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
     (s,) = load_scenarios(ROOT / "scenarios" / "vllm" /
@@ -858,3 +860,32 @@ def test_a_second_raising_read_check_asserts_in_0_26_and_0_27(vllm_required: str
     assert f"({vllm.records[1].request_id} not found" in reason, reason  # the one it failed
     assert {d.request for d in found} == {2}, [str(d) for d in found]
     assert not any(vllm.leaks.values()), vllm.leaks
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_dying_during_a_post_asserts_in_0_29(vllm_required: str) -> None:
+    """A vLLM finding (docs/vllm.md; found by hkvsim fuzz under 0.29.0, seed 30 scenario 91):
+    prefill instance 1 dies as decode rank 0 posts request 1's READ to it. Every release fails
+    request 1 as remote_disconnect; 0.29.0 then asserts on decode rank 0 ("not found in
+    recving_metadata list") for the requests it is receiving from the other prefill instances
+    (0, 2, 3), failing them as vllm_failure, with nothing corrupted. The others fail request 1
+    alone, as hkvsim's core does (0 differences)."""
+    from hkvsim.implementations.diff import diff_scenario
+
+    if vllm_required not in PEER_DEATH_ASSERT:
+        pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
+    (s,) = load_scenarios(ROOT / "scenarios" / "vllm" / "finding-peer-death-assert-0.29.toml")
+    found, core, vllm = diff_scenario(s)
+    assert [r.failure_class for r in core.records] == [None, "remote_disconnect", None, None]
+    assert core.mismatched_bytes == 0 and vllm.corrupted == 0 and vllm.hung == 0
+    assert vllm.records[1].failure_class == "remote_disconnect"
+    where = PEER_DEATH_ASSERT[vllm_required]
+    if where is None:
+        assert found == [], [str(d) for d in found]
+        return
+    assert [r.failure_class for r in vllm.records] == ["vllm_failure", "remote_disconnect",
+                                                       "vllm_failure", "vllm_failure"]
+    for rec in (vllm.records[0], vllm.records[2], vllm.records[3]):
+        reason = rec.reason or ""
+        assert where in reason and "not found in recving_metadata list" in reason, reason
+    assert {d.request for d in found} == {0, 2, 3}, [str(d) for d in found]

@@ -17,8 +17,8 @@ file:line (:class:`VllmFailure`), never an hkvsim crash.
 Push: every rank runs vLLM's push worker without its writer thread; the harness calls its
 ``_do_start_push_kv`` once hkvsim's coordinator has matched a registration (:meth:`start_push`).
 
-Scope today (docs/vllm.md): vLLM 0.26.0, 0.27.0, 0.33.0 and 0.34.0, pull and push; MLA, GQA
-(HND and NHD caches), and the hybrids with KDA or GDN state (handed to vLLM as a GDN
+Scope today (docs/vllm.md): each x.y.0 release of vLLM from 0.26.0 to 0.34.0 but 0.30.0, pull and
+push; MLA, GQA (HND and NHD caches), and the hybrids with KDA or GDN state (handed to vLLM as a GDN
 ``MambaSpec`` over the shared tensors).
 """
 
@@ -52,9 +52,19 @@ __all__ = ["VllmUnavailable", "VllmFailure", "SUPPORTED_VERSIONS", "load_vllm", 
 
 log = logging.getLogger("hkvsim.vllm")
 
-SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.33.0", "0.34.0")
-RUNNABLE_VERSIONS = ("0.26.0", "0.27.0", "0.33.0", "0.34.0")  # the versions this harness drives
+SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0",
+                      "0.34.0")
+RUNNABLE_VERSIONS = SUPPORTED_VERSIONS  # the versions this harness drives
+# releases in that range it does not drive, and why (docs/vllm.md, "Release by release")
+_NOT_DRIVEN = {"0.30.0": "its push worker never reports a finished push as sent (fixed in "
+                         "0.31.0), which this harness's push checks do not account for yet"}
 PROVISION_HINT = "scripts/with-vllm 0.34.0 hkvsim run FILE"
+_CONV_LAYOUT = "VLLM_SSM_CONV_STATE_LAYOUT"  # vLLM's SSM conv state layout: hkvsim's is "DS"
+# Releases whose model runner hands a GQA cache over as (blocks, tokens, heads, K|V) whatever
+# its physical layout (their receive-side block-size post-processing permutes to "physical
+# order" first); from 0.32.0 on the dims follow the layout. (Layout *names* changed earlier,
+# at 0.29.0: legacy_layout_names.)
+_TOKENS_FIRST_DIMS = frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0"})
 # what each release moves per request, as hkvsim's core transfer_extent names it (docs/vllm.md,
 # "vLLM 0.34.0"): 0.34.0 moves no state over shared tensors no layer of the slot's group holds,
 # and stops a pull between engines of different block sizes at the last computed token
@@ -123,7 +133,7 @@ def load_vllm() -> str:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # state pages in hkvsim are DS (channel-first conv), the layout vLLM's connector requires
-    os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    os.environ.setdefault(_CONV_LAYOUT, "DS")
     # vLLM's own logging setup writes INFO lines to stdout (0.26), which would corrupt --json:
     # leave its loggers to Python's defaults (warnings and errors on stderr)
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -147,11 +157,16 @@ def vllm_version() -> str | None:
         return None
 
 
+def _not_driven(version: str) -> str:
+    why = _NOT_DRIVEN.get(version)
+    return (f"vLLM {version} is not driven by this harness yet"
+            + (f": {why}" if why else "") + f" (runnable: {', '.join(RUNNABLE_VERSIONS)})")
+
+
 def unsupported(model: ModelSpec, mode: str, version: str) -> str | None:
     """Why this harness cannot run ``model`` in ``mode`` on ``version`` yet, or None."""
     if version not in RUNNABLE_VERSIONS:
-        return (f"vLLM {version} is not driven by this harness yet (runnable: "
-                f"{', '.join(RUNNABLE_VERSIONS)})")
+        return _not_driven(version)
     if mode not in ("pull", "push"):
         return f"mode {mode!r} is not driven with implementation 'vllm' (allowed: pull, push)"
     if model.state is not None and model.state.kind not in _STATE_KINDS:
@@ -398,11 +413,12 @@ class VllmRank:
 
     def _logical_kv(self, physical: Any) -> Any:
         """The GQA cache tensor as vLLM's model runner hands it over: the bytes in the layout's
-        physical order, the dims in the order the release expects (0.26 and 0.27: (blocks,
-        tokens, heads, K|V) whatever the layout; 0.33: (blocks, heads, tokens, K|V)). vLLM's
-        receive-side post-processing (block-size ratio) permutes through these dims."""
+        physical order, the dims in the order the release expects ((blocks, tokens, heads, K|V)
+        whatever the layout up to 0.31.0, (blocks, heads, tokens, K|V) from 0.32.0:
+        ``_TOKENS_FIRST_DIMS``). vLLM's receive-side post-processing (block-size ratio) permutes
+        through these dims."""
         heads_first = self.layout.kv_cache_layout == "HND"
-        if self.harness.version.startswith(("0.26.", "0.27.")):
+        if self.harness.version in _TOKENS_FIRST_DIMS:
             return physical.permute(0, 2, 1, 3) if heads_first else physical
         return physical if heads_first else physical.permute(0, 2, 1, 3)
 
@@ -443,8 +459,10 @@ class VllmHarness:
     def __init__(self, now: Callable[[], float]) -> None:
         self.version = load_vllm()
         if self.version not in RUNNABLE_VERSIONS:
-            raise VllmUnavailable(f"vLLM {self.version} is importable but this harness drives "
-                                  f"only {', '.join(RUNNABLE_VERSIONS)} today")
+            raise VllmUnavailable(f"vLLM {self.version} is importable, but "
+                                  f"{_not_driven(self.version)}")
+        # how the release names cache layouts and orders a GQA cache's dims (read from vLLM)
+        self.legacy_layouts = legacy_layout_names()
         self.now = now
         self.mode = "pull"  # or "push": which of vLLM's workers every rank runs
         # per role: whether that engine runs with its prefix cache on (its vLLM CacheConfig)
@@ -507,10 +525,11 @@ class VllmHarness:
         cache = CacheConfig(block_size=layout.logical_block_size, enable_prefix_caching=False,
                             cache_dtype=_cache_dtype(attn))
         # per layer: (blocks, heads, tokens, K|V) for HND, (blocks, tokens, heads, K|V) for NHD
-        cache.kv_cache_layout = vllm_layout_name(layout, self.version)
+        cache.kv_cache_layout = vllm_layout_name(layout, self.legacy_layouts)
         kv = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both",
                               kv_buffer_device="cuda",
                               kv_connector_extra_config={"enforce_handshake_compat": True})
+        conv_layout = os.environ.get(_CONV_LAYOUT)
         with _cpu_platform_without_triton_check():
             config = VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=kv,
                                 parallel_config=ParallelConfig(tensor_parallel_size=layout.tp),
@@ -518,6 +537,11 @@ class VllmHarness:
                                                                  is_encoder_decoder=False,
                                                                  max_num_batched_tokens=1 << 14),
                                 device_config=DeviceConfig("cpu"))
+        if conv_layout is not None and os.environ.get(_CONV_LAYOUT) != conv_layout:
+            # vLLM 0.28.0 to 0.30.0's CPU platform sets SD conv state on an AVX-512 BF16 CPU
+            # for its own kernels, over the DS layout that the GPU engine this stands for uses
+            # (vLLM's NIXL connector asserts it; hkvsim's state pages are DS)
+            os.environ[_CONV_LAYOUT] = conv_layout
         # vLLM's CPU platform rewrites the block size for its own attention backend; the engine
         # this stands for runs the GPU backend the layout names
         config.cache_config.block_size = layout.logical_block_size
@@ -600,7 +624,7 @@ class VllmHarness:
             cls = importlib.import_module(f"{_NIXL}.pull_worker").NixlPullConnectorWorker
         self._building = rank
         try:
-            _override_layout(vllm_layout_name(rank.layout, self.version))
+            _override_layout(vllm_layout_name(rank.layout, self.legacy_layouts))
             config = self.vllm_config(rank)
             with set_current_vllm_config(config):
                 worker = cls(config, rank.engine_id, self.kv_cache_config(rank))
@@ -843,19 +867,31 @@ def _cpu_platform_without_triton_check() -> Iterator[None]:
         importing.HAS_TRITON, package.HAS_TRITON = saved
 
 
-def vllm_layout_name(layout: EngineLayout, version: str) -> str:
-    """The name vLLM ``version`` gives the caches built for ``layout``: hkvsim's HND block
-    (heads, tokens, K|V) is vLLM's HND (0.26, 0.27) / LBHNC (0.33); hkvsim's NHD block
+def legacy_layout_names() -> bool:
+    """Whether the installed vLLM names cache layouts ``NHD`` / ``HND`` and reads them from a
+    process-wide override (0.26.0 to 0.28.0: ``_KV_CACHE_LAYOUT_OVERRIDE`` in
+    ``vllm.v1.attention.backends.utils``) rather than ``LBNHC`` / ``LBHNC`` from the cache config
+    (0.29.0 on). Read from vLLM itself rather than from a table of releases."""
+    import importlib
+
+    utils = importlib.import_module("vllm.v1.attention.backends.utils")
+    return hasattr(utils, "_KV_CACHE_LAYOUT_OVERRIDE")
+
+
+def vllm_layout_name(layout: EngineLayout, legacy: bool) -> str:
+    """The name vLLM gives the caches built for ``layout``: hkvsim's HND block (heads, tokens,
+    K|V) is vLLM's HND (``legacy``: :func:`legacy_layout_names`) or LBHNC; hkvsim's NHD block
     (tokens, heads, K|V) is NHD / LBNHC. MLA caches are named NHD / LBNHC (vLLM ignores it)."""
     heads_first = (not layout.model.attention.is_mla and layout.kv_cache_layout == "HND")
-    if version.startswith(("0.26.", "0.27.")):
+    if legacy:
         return "HND" if heads_first else "NHD"
     return "LBHNC" if heads_first else "LBNHC"
 
 
 def _override_layout(name: str) -> None:
-    """0.26 and 0.27: the worker reads the layout from ``get_kv_cache_layout()`` (a process-wide
-    override), not from the cache config: set it for the rank being built."""
+    """Releases with legacy layout names (0.26.0 to 0.28.0): the worker reads the layout from
+    ``get_kv_cache_layout()`` (a process-wide override), not from the cache config: set it for
+    the rank being built."""
     import importlib
 
     with contextlib.suppress(ImportError):
