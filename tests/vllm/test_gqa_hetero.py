@@ -92,3 +92,35 @@ def test_hnd_block_size_ratio_is_regrouped_by_vllm(vllm_required: str) -> None:
         assert bad and all(r.status == "ok" for r in result.records)
         assert all("untransferred tail" in m and "stale" in m
                    for r in bad for m in r.mismatches), bad[0].mismatches
+
+
+@pytest.mark.timeout(300)
+def test_vllms_worker_takes_the_layout_the_engine_names(vllm_required: str) -> None:
+    """Each rank's vLLM worker resolves the cache layout its engine names, HND or NHD, in the
+    release's own names (HND / NHD up to 0.28.0, read from a process-wide override; LBHNC /
+    LBNHC from 0.29.0, read from the cache config), whichever was built before it in this
+    process."""
+    import simpy
+
+    from hkvsim.fabric import Fabric, load_profile, place_engines
+    from hkvsim.geometry.layout import build_layout
+    from hkvsim.geometry.presets import preset
+    from hkvsim.implementations.vllm.engine import VllmHarness
+    from hkvsim.transport.sim import SimWorld
+
+    env = simpy.Environment()
+    profile = load_profile("h200-nvlink")
+    engines = [("a", "prefill", 1), ("b", "decode", 1), ("c", "prefill", 1)]
+    world = SimWorld(env, Fabric(env, profile, place_engines(profile, engines)))
+    harness = VllmHarness(lambda: env.now)
+    names = {"HND": ("HND", "LBHNC"), "NHD": ("NHD", "LBNHC")}
+    for (eid, role, _), kind in zip(engines, ("HND", "NHD", "HND")):
+        layout = build_layout(preset("tiny-llama"), tp=1, block_size=16, num_blocks=8,
+                              kv_cache_layout=kind, registration_order="sorted")
+        t = world.create_agent(f"{eid}.0", (eid, 0))
+        rank = harness.add_rank(eid, layout, 0, t, t.allocate(layout.total_bytes,
+                                                               mem_type="DRAM"), role)
+        got = rank.worker.kv_cache_layout
+        assert got in names[kind], (vllm_required, kind, got)
+        legacy = vllm_required in ("0.26.0", "0.27.0", "0.28.0")
+        assert got == names[kind][0 if legacy else 1], (vllm_required, kind, got)
