@@ -877,9 +877,16 @@ def test_a_peer_dying_during_a_post_asserts_in_0_29(vllm_required: str) -> None:
     (s,) = load_scenarios(ROOT / "scenarios" / "vllm" / "finding-peer-death-assert-0.29.toml")
     found, core, vllm = diff_scenario(s)
     assert [r.failure_class for r in core.records] == [None, "remote_disconnect", None, None]
-    assert core.mismatched_bytes == 0 and vllm.corrupted == 0 and vllm.hung == 0
+    assert core.mismatched_bytes == 0 and vllm.hung == 0
     assert vllm.records[1].failure_class == "remote_disconnect"
     where = PEER_DEATH_ASSERT[vllm_required]
+    if where is None and MLA_BSR_DAMAGE[vllm_required] == "tail":
+        # 0.26.0: its own block-size-ratio finding (decode blocks 4x prefill's here) leaves the
+        # untransferred tail of a decode block stale; the peer's death fails request 1 alone
+        assert [r.failure_class for r in vllm.records] == [None, "remote_disconnect", None, None]
+        assert all("untransferred tail" in m for r in vllm.records for m in r.mismatches)
+        return
+    assert vllm.corrupted == 0
     if where is None:
         assert found == [], [str(d) for d in found]
         return
