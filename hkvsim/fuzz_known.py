@@ -110,6 +110,7 @@ LEAK_AGENTS = "leak:after_shutdown"  # agents or prepared lists left behind at s
 LEAK_HELD = "leak:held"  # decode blocks or transfer handles still held (quarantined) at the end
 HANG = "hang"  # requests never ended
 REFUSED = "not-ok:handshake"  # a handshake refused without faults
+LEASE = "not-ok:lease"  # without faults, every request completed but prefill's lease freed some
 FAILED = "not-ok:failure"  # requests failed without faults, the detail naming `mentions`
 DIFF = "diff"
 
@@ -139,11 +140,20 @@ def _any(*outcomes: str) -> frozenset[str]:
     return frozenset(outcomes)
 
 
+def _releases(first: str, last: str | None = None) -> frozenset[str]:
+    """The vLLM releases the harness drives from ``first`` to ``last`` (default: the newest),
+    both included."""
+    from .implementations.vllm.engine import SUPPORTED_VERSIONS
+
+    end = SUPPORTED_VERSIONS.index(last) + 1 if last else len(SUPPORTED_VERSIONS)
+    return frozenset(SUPPORTED_VERSIONS[SUPPORTED_VERSIONS.index(first):end])
+
+
 KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "mla-block-size-ratio-last-block",
         "docs/vllm.md: MLA with a block size ratio damages the last decode block",
-        frozenset({"0.26.0", "0.32.0", "0.33.0", "0.34.0"}),  # 0.27.0-0.31.0 byte-exact
+        frozenset({"0.26.0"}) | _releases("0.32.0"),  # 0.27.0-0.31.0 byte-exact
         lambda f: f.mode == "pull" and f.is_mla and not f.is_hybrid and f.decode_blocks_larger,
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
         with_faults=_FAILURE),
@@ -156,7 +166,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "block-size-ratio-prefix-hit-shift",
         "docs/vllm.md: a decode prefix-cache hit with a block size ratio shifts the request",
-        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0"}),
+        _releases("0.26.0", "0.33.0"),
         lambda f: (f.mode == "pull" and not f.is_hybrid and f.decode_blocks_larger
                    and f.decode_prefix_hits),
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
@@ -164,8 +174,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "gqa-push-replicated-decode-heads",
         "docs/vllm.md: GQA push to a decode TP larger than the KV-head count corrupts silently",
-        # 0.34.0 refuses these pairs (next entry)
-        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0"}),
+        _releases("0.26.0", "0.33.0"),  # 0.34.0 refuses these pairs (next entry)
         lambda f: (f.mode == "push" and f.kv_heads is not None and f.decode_tp > f.kv_heads
                    and f.prefill_tp < f.decode_tp),
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING,
@@ -180,7 +189,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "push-block-size-ratio-refused",
         "docs/vllm.md: push with a block size ratio is refused at prefill's reverse handshake",
-        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0"}),
+        _releases("0.26.0", "0.33.0"),  # 0.34.0: the entry before
         lambda f: f.mode == "push" and f.block_size_ratio,
         frozenset({LEAK_AGENTS, REFUSED, DIFF}), _REFUSAL,
         vllm_outcomes=_any("handshake-error")),
@@ -194,8 +203,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(
         "hybrid-failed-read-reported-loaded",
         "docs/vllm.md: a READ that fails on a hybrid model is reported as loaded",
-        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0",
-                   "0.34.0"}),
+        _releases("0.26.0"),
         lambda f: (f.mode == "pull" and f.is_hybrid
                    and (f.has_fault("fail-transfer") or f.has_fault("stall-transfer"))),
         frozenset({CORRUPTION, DIFF}), _DAMAGE | _ACCOUNTING | _FAILURE),
@@ -221,7 +229,7 @@ KNOWN: tuple[KnownFinding, ...] = (
         "push-failed-write-unreported-0.26",
         "docs/vllm.md: 0.26.0 to 0.29.0 never report a push WRITE that failed (a failed push "
         "WRITE went unseen)",
-        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0"}),
+        _releases("0.26.0", "0.29.0"),
         lambda f: (f.mode == "push"  # a WRITE that fails, stalls, or whose post raises
                    and any(f.has_fault(k) for k in ("fail-transfer", "stall-transfer",
                                                      "disconnect-peer", "kill-rank"))),
@@ -229,10 +237,29 @@ KNOWN: tuple[KnownFinding, ...] = (
         frozenset({HANG, LEAK_HELD, DIFF}),
         frozenset({"outcome", "byte_exact"}) | _ACCOUNTING | _FAILURE),
     KnownFinding(
+        "push-post-failure-unreported-0.30",
+        "docs/vllm.md: 0.30.0 never reports a push WRITE whose post raised (decode's watchdog "
+        "calls it a stall)",
+        frozenset({"0.30.0"}),
+        lambda f: (f.mode == "push"  # a post that raises
+                   and (f.has_fault("fail-transfer", "setup") or f.has_fault("disconnect-peer"))),
+        # the request fails as a stall instead, never with wrong bytes
+        frozenset({DIFF}), frozenset({"outcome"}) | _ACCOUNTING | _FAILURE),
+    KnownFinding(
+        "push-sent-unreported-0.30",
+        "docs/vllm.md: 0.30.0 never reports a finished push as sent: decode gets every byte, "
+        "prefill's blocks wait for the lease (finding-push-sent-unreported-0.30.toml)",
+        frozenset({"0.30.0"}),
+        lambda f: f.mode == "push",
+        # vLLM's outcome lease-expired (or, under faults, what the faults made it), and no
+        # transfer counted for the requests it completed (fewer bytes): never wrong bytes
+        frozenset({LEASE, DIFF}), frozenset({"outcome"}) | _ACCOUNTING,
+        vllm_outcomes=_any("lease-expired", "request-failure"), moves_less=True),
+    KnownFinding(
         "pull-second-read-check-assert",
         "docs/vllm.md: 0.26.0 to 0.29.0 assert when a second READ of a request they already "
         "failed reports its raising check (finding-pull-poll-exception-two-reads.toml)",
-        frozenset({"0.26.0", "0.27.0", "0.28.0", "0.29.0"}),
+        _releases("0.26.0", "0.29.0"),
         # a decode rank posts more than one READ per request: every prefill rank of a larger
         # TP (each holds part of the heads, or of the state), but pure MLA reads one
         lambda f: (f.mode == "pull" and f.has_fault("fail-transfer", "poll")
@@ -310,7 +337,9 @@ def _shape(finding: Any) -> str | None:
     if finding.kind == "hang":
         return HANG
     if finding.kind == "not-ok":
-        return REFUSED if "handshake refused" in finding.signature else FAILED
+        if "handshake refused" in finding.signature:
+            return REFUSED
+        return LEASE if ": lease-expired (lease expired)" in finding.signature else FAILED
     if finding.kind == "diff":
         return DIFF
     return None  # crashes, timeouts, stray writes, nondeterminism: never known

@@ -23,7 +23,7 @@ VLLM_REPORTS = ("vllm-0.33.0", "vllm-0.26.0", "vllm-0.33.0-faults", "vllm-0.33.0
                 "vllm-0.34.0-seed11", "vllm-0.34.0-faults-seed31", "vllm-0.34.0-qwen",
                 "vllm-0.34.0-qwen-faults", "nixl-vllm-0.34.0", "vllm-0.27.0",
                 "vllm-0.27.0-faults", "vllm-0.32.0", "vllm-0.28.0-faults",
-                "vllm-0.29.0-faults", "vllm-0.31.0-faults")
+                "vllm-0.29.0-faults", "vllm-0.31.0-faults", "vllm-0.30.0", "vllm-0.30.0-faults")
 # scenarios whose findings no entry explains, each triaged in reports/fuzz/README.md
 TRIAGED_NEW = {"vllm-0.26.0-faults": {39}}
 
@@ -56,6 +56,8 @@ def test_a_documented_deployment_and_shape_is_explained_by_name() -> None:
     # GQA push above the KV heads (tiny-qwen3-next, 2 heads, P TP2 -> D TP4)
     push = _facts(mode="push", kv_heads=2, prefill_tp=2, decode_tp=4)
     assert explain(_corrupt(), push, "0.33.0") == "gqa-push-replicated-decode-heads"
+    assert explain(_corrupt(), push, "0.26.0") == "gqa-push-replicated-decode-heads"
+    assert explain(_corrupt(), push, "0.34.0") is None  # 0.34.0 refuses the pair instead
     # at homogeneous TP 4 vLLM writes every replica itself: a corruption there is new
     assert explain(_corrupt(), dataclasses.replace(push, prefill_tp=4), "0.33.0") is None
 
@@ -137,6 +139,36 @@ def test_an_unreported_push_write_explains_held_blocks_and_hangs_but_no_other_le
         assert explain(leak(what), push, "0.26.0") is None, what
     # without a fault that fails a WRITE, a hang is new even under 0.26.0
     assert explain(hang, dataclasses.replace(push, faults=frozenset()), "0.26.0") is None
+
+
+def test_0_30_push_lease_and_post_failure_are_known_only_in_0_30_push() -> None:
+    """0.30.0 never reports a finished push as sent (prefill's lease frees its blocks, no
+    transfer counted) nor a WRITE whose post raised (decode's watchdog: a stall)."""
+    push, pull = _facts(mode="push"), _facts()
+    lease = Finding("not-ok", "vllm", "outcome lease-expired without faults: {}, 3 freed by lease",
+                    "vllm: not-ok: lease-expired (lease expired) | m push")
+    counted = dataclasses.replace(
+        _diff(("descriptors", "nbytes", "outcome", "per_rank", "sources", "transfers"),
+              outcomes=("ok", "lease-expired")), vllm_moved_less=True)  # none counted
+    assert explain(dataclasses.replace(counted, vllm_moved_less=False), push, "0.30.0") is None
+    for finding in (lease, counted):
+        assert explain(finding, push, "0.30.0") == "push-sent-unreported-0.30"
+        assert explain(finding, push, "0.31.0") is None  # fixed there
+        assert explain(finding, pull, "0.30.0") is None
+    # wrong bytes, a hang or another outcome are not that finding
+    assert explain(_corrupt(), push, "0.30.0") is None
+    assert explain(_diff(("byte_exact", "outcome")), push, "0.30.0") is None
+    assert explain(_diff(("nbytes", "outcome"), outcomes=("ok", "hang")), push, "0.30.0") is None
+    failed = Finding("not-ok", "vllm", "outcome request-failure without faults: ...",
+                     "vllm: not-ok: request-failure (stall) | m push")
+    assert explain(failed, push, "0.30.0") is None
+    # a post that raised, failed by decode's watchdog as a stall
+    stall = _diff(("failure_class", "nbytes"), outcomes=("request-failure", "request-failure"))
+    post = dataclasses.replace(push, faults=frozenset({("fail-transfer", "setup")}))
+    assert explain(stall, post, "0.30.0") == "push-post-failure-unreported-0.30"
+    assert explain(stall, post, "0.31.0") is None
+    check = dataclasses.replace(push, faults=frozenset({("fail-transfer", "poll")}))
+    assert explain(stall, check, "0.30.0") is None  # 0.30.0 reports a raising check
 
 
 def test_every_entry_names_where_it_is_documented() -> None:
@@ -325,8 +357,7 @@ def test_a_second_raising_read_check_is_known_in_0_26_and_0_27_where_a_rank_read
 
 
 def test_every_entry_names_only_releases_the_harness_drives() -> None:
-    """A finding recorded for a release the harness does not drive could never be checked
-    (and 0.30.0, which it refuses, must not be listed as seen)."""
+    """A finding recorded for a release the harness does not drive could never be checked."""
     from hkvsim.implementations.vllm.engine import SUPPORTED_VERSIONS
 
     for known in KNOWN:
@@ -339,14 +370,14 @@ def test_a_release_the_harness_does_not_drive_is_refused_naming_why() -> None:
     from hkvsim.implementations.vllm.engine import SUPPORTED_VERSIONS, unsupported
 
     model = preset("tiny-deepseek")
-    why = unsupported(model, "pull", "0.30.0")
-    assert why is not None and "never reports a finished push as sent" in why, why
-    assert "0.31.0" in why and "0.30.0" not in why.split("runnable:")[1], why
-    assert "not driven" in (unsupported(model, "pull", "0.25.0") or "")
-    for version in SUPPORTED_VERSIONS:  # every release from 0.26.0 but 0.30.0
+    for version in ("0.25.0", "0.35.0", "0.30.1"):  # x.y.0 releases from 0.26.0 to 0.34.0
+        why = unsupported(model, "pull", version)
+        assert why is not None and f"vLLM {version} is not driven" in why, why
+        assert why.endswith("(runnable: " + ", ".join(SUPPORTED_VERSIONS) + ")"), why
+    for version in SUPPORTED_VERSIONS:
         assert unsupported(model, "pull", version) is None, version
-    assert SUPPORTED_VERSIONS == ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0",
-                                  "0.33.0", "0.34.0")
+    assert SUPPORTED_VERSIONS == ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
+                                  "0.32.0", "0.33.0", "0.34.0")
     # scripts/with-vllm provisions exactly these (and scripts/vllm-releases runs them)
     script = (Path(__file__).resolve().parent.parent / "scripts" / "with-vllm").read_text()
     (line,) = [x for x in script.splitlines() if x.startswith("supported=")]

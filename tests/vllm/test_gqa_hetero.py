@@ -10,15 +10,15 @@ import pytest
 
 from hkvsim.cluster import run_scenario
 from hkvsim.scenario import load_scenarios
-from release_expect import assert_push_refused_by_034, push_refused_by_034
+from release_expect import assert_push_refused_by_034, completed_as_released, push_refused_by_034
 
 VLLM = Path(__file__).resolve().parents[2] / "scenarios" / "vllm"
 
 
 def _byte_exact(result) -> bool:
-    return (result.outcome == "ok" and result.verified and result.corrupted == 0
-            and all(r.status == "ok" and r.mismatched_words == 0 and r.nbytes > 0
-                    for r in result.records)
+    """Every request completed byte-exact (release_expect.completed_as_released), nothing left
+    behind at shutdown."""
+    return (completed_as_released(result)
             and result.leaks["after_shutdown"] == 0 and result.leaks["open_handles"] == 0)
 
 

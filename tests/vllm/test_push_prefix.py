@@ -14,8 +14,10 @@ from hkvsim.scenario import load_scenarios
 from release_expect import (
     PUSH_PREFIX_HEAD_TRIM,
     RELEASES,
+    completed_as_released,
     assert_push_refused_by_034,
     push_refused_by_034,
+    push_sent_unreported,
 )
 
 VLLM = Path(__file__).resolve().parents[2] / "scenarios" / "vllm"
@@ -36,12 +38,12 @@ def test_push_after_a_partial_prefix_hit_per_release(vllm_required: str) -> None
         first, hit = result.records
         assert first.prefix_hit_tokens == 0 and hit.effective_prefix_hit_tokens > 0
         # the request without a hit is byte-exact under every release
-        assert first.status == "ok" and first.mismatched_words == 0 and first.nbytes > 0, name
+        assert first.status == "ok" and first.mismatched_words == 0, name
+        assert (first.nbytes > 0) is not push_sent_unreported(result), name  # counted if reported
         if vllm_required not in RELEASES:
             pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
         if vllm_required not in PUSH_PREFIX_HEAD_TRIM:  # end-trim prefill's list to decode's tail
-            assert result.outcome == "ok" and result.corrupted == 0, (name, result.outcome)
-            assert hit.status == "ok" and hit.mismatched_words == 0 and hit.nbytes > 0, name
+            assert completed_as_released(result), (name, result.outcome)
         else:
             # head-trims it ("Align per-group block counts for push": [:num_remote]): the
             # cached prefix's blocks land in decode's uncached slots, success reported
@@ -56,7 +58,10 @@ def test_push_after_a_full_prefix_hit_is_refused_per_request(vllm_required: str)
     result = run_scenario(s)
     assert expectation_problems(result) == []
     first, full = result.records
-    assert first.status == "ok" and first.mismatched_words == 0 and first.nbytes > 0
+    assert first.status == "ok" and first.mismatched_words == 0
+    # counted where vLLM reports the push sent; 0.30.0 never does, and its lease frees prefill
+    assert (first.nbytes > 0) is not push_sent_unreported(result)
+    assert first.freed_by_lease is push_sent_unreported(result)
     assert full.status == "failed" and full.failure_class == "transfer_setup_failed"
     assert "push after a full decode prefix-cache hit is not driven" in (full.reason or "")
     assert result.leaks["after_shutdown"] == 0

@@ -17,7 +17,7 @@ file:line (:class:`VllmFailure`), never an hkvsim crash.
 Push: every rank runs vLLM's push worker without its writer thread; the harness calls its
 ``_do_start_push_kv`` once hkvsim's coordinator has matched a registration (:meth:`start_push`).
 
-Scope today (docs/vllm.md): each x.y.0 release of vLLM from 0.26.0 to 0.34.0 but 0.30.0, pull and
+Scope today (docs/vllm.md): each x.y.0 release of vLLM from 0.26.0 to 0.34.0, pull and
 push; MLA, GQA (HND and NHD caches), and the hybrids with KDA or GDN state (handed to vLLM as a GDN
 ``MambaSpec`` over the shared tensors).
 """
@@ -52,12 +52,9 @@ __all__ = ["VllmUnavailable", "VllmFailure", "SUPPORTED_VERSIONS", "load_vllm", 
 
 log = logging.getLogger("hkvsim.vllm")
 
-SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.31.0", "0.32.0", "0.33.0",
-                      "0.34.0")
+SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
+                      "0.33.0", "0.34.0")
 RUNNABLE_VERSIONS = SUPPORTED_VERSIONS  # the versions this harness drives
-# releases in that range it does not drive, and why (docs/vllm.md, "Release by release")
-_NOT_DRIVEN = {"0.30.0": "its push worker never reports a finished push as sent (fixed in "
-                         "0.31.0), which this harness's push checks do not account for yet"}
 PROVISION_HINT = "scripts/with-vllm 0.34.0 hkvsim run FILE"
 _CONV_LAYOUT = "VLLM_SSM_CONV_STATE_LAYOUT"  # vLLM's SSM conv state layout: hkvsim's is "DS"
 # Releases whose model runner hands a GQA cache over as (blocks, tokens, heads, K|V) whatever
@@ -158,9 +155,8 @@ def vllm_version() -> str | None:
 
 
 def _not_driven(version: str) -> str:
-    why = _NOT_DRIVEN.get(version)
-    return (f"vLLM {version} is not driven by this harness yet"
-            + (f": {why}" if why else "") + f" (runnable: {', '.join(RUNNABLE_VERSIONS)})")
+    return (f"vLLM {version} is not driven by this harness yet (runnable: "
+            f"{', '.join(RUNNABLE_VERSIONS)})")
 
 
 def unsupported(model: ModelSpec, mode: str, version: str) -> str | None:

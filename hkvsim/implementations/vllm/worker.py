@@ -66,6 +66,9 @@ class VllmConnectorWorker:
         self.vllm: VllmRank | None = None
         self._in_flight: dict[str, _Flight] = {}
         self._zombies: dict[str, list[int]] = {}  # ended requests -> their live transfers
+        # push, prefill: requests vLLM has not listed as sent whose WRITEs vLLM has all
+        # released (reported once through take_released: nothing of theirs can write now)
+        self._spent: set[str] = set()
         self._notify_agents: set[str] = set()  # push, decode: added here, removed at shutdown
         self.notification_failures = 0
 
@@ -247,6 +250,7 @@ class VllmConnectorWorker:
         until vLLM releases them (:meth:`take_released`): the coordinator must not reuse or
         recompute into blocks they may still write."""
         flight = self._in_flight.pop(rid)
+        self._spent.discard(rid)
         out = flight.outcome
         assert self.vllm is not None
         agent = self.vllm.agent
@@ -308,12 +312,22 @@ class VllmConnectorWorker:
 
     def take_released(self) -> list[str]:
         """Requests that ended with transfers still live, once vLLM has released the last of
-        them (vLLM keeps polling them in its get_finished: :meth:`poll` goes on calling it)."""
-        if not self._zombies:
+        them (vLLM keeps polling them in its get_finished: :meth:`poll` goes on calling it).
+        Push, prefill: also a request vLLM has not listed as sent yet whose WRITEs vLLM has
+        all released (vLLM posts a request's WRITEs in one call, so none is to come): no
+        transfer of it can write into decode's blocks any more, so the coordinator need not
+        keep them. vLLM 0.30.0 releases every finished WRITE and never lists its request as
+        sent; decode reuses those blocks, as decode's scheduler would."""
+        if not self._zombies and not (self.push and len(self._spent) < len(self._in_flight)):
             return []
         assert self.vllm is not None
         is_live = self.vllm.agent.is_live
         out = []
+        if self.push:
+            for rid, flight in self._in_flight.items():
+                if rid not in self._spent and not any(map(is_live, flight.handles)):
+                    self._spent.add(rid)
+                    out.append(rid)
         for rid, handles in list(self._zombies.items()):
             handles = [h for h in handles if is_live(h)]
             if handles:
