@@ -14,8 +14,8 @@ from hkvsim.scenario import load_scenarios
 from release_expect import (
     PUSH_PREFIX_HEAD_TRIM,
     RELEASES,
-    completed_as_released,
     assert_push_refused_by_034,
+    completed_as_released,
     push_refused_by_034,
     push_sent_unreported,
 )

@@ -255,8 +255,9 @@ def test_n_minus_1_on_a_block_boundary_is_byte_exact_without_state(vllm_required
         assert [r.status for r in vllm.records] == ["ok"] * 4
         core = run_scenario(with_implementation(s, "hkvsim"))
         # every prompt block moves: 1,025 tokens need as many blocks as 1,040 (16-token
-        # blocks) or 1,088 (64), and one fewer than 1,041 (or 1,089) (a push vLLM never
-        # reports counts no bytes: hkvsim's core's, which the comparison below holds it to)
+        # blocks) or 1,088 (64), and one fewer than 1,041 (or 1,089). A push vLLM never
+        # reports counts no bytes: then hkvsim's core's counts, the oracle having found every
+        # block vLLM wrote byte-exact (completed_as_released)
         counted = core if push_sent_unreported(vllm) else vllm
         first, second, third, _ = (r.nbytes for r in counted.records)
         assert second > first == third > 0
@@ -556,9 +557,9 @@ def test_a_request_vllm_failed_is_classed_by_what_nixl_told_it(vllm_required: st
     push fails such a WRITE its own way (a finding, docs/vllm.md): a raising check trips its
     assert at base_worker.py:1985 (where a prefill rank posts one WRITE, on the next request),
     and a WRITE whose post raised is never reported (hkvsim's watchdog calls it a stall; 0.30.0
-    leaves it unreported too, though it reports a raising check as 0.31.0 does). The one-WRITE push variant (found
-    by hkvsim fuzz): 0.33.0 records the request failed and forgets that in the same call; the
-    harness must still fail it, and leave no decode block quarantined."""
+    leaves it unreported too, though it reports a raising check as 0.31.0 does). The one-WRITE
+    push variant (found by hkvsim fuzz): 0.33.0 records the request failed and forgets that in
+    the same call; the harness must still fail it, and leave no decode block quarantined."""
     from hkvsim.implementations.diff import diff_scenario
 
     if vllm_required not in RELEASES:
