@@ -19,7 +19,17 @@ def block_geometry_differs(scenario) -> bool:
 
 
 def push_refused_by_034(scenario) -> bool:
+    """A push between engines of different block geometry: what 0.34.0's handshake refuses."""
     return scenario.connector.mode == "push" and block_geometry_differs(scenario)
+
+
+# the releases whose push handshake refuses engines of different block geometry
+PUSH_GEOMETRY_REFUSED = frozenset({"0.34.0"})
+
+
+def push_refused(scenario, version: str) -> bool:
+    """Does ``version``'s push handshake refuse ``scenario`` for its block geometry?"""
+    return version in PUSH_GEOMETRY_REFUSED and push_refused_by_034(scenario)
 
 
 def assert_push_refused_by_034(result, name: str) -> None:

@@ -10,7 +10,12 @@ import pytest
 
 from hkvsim.cluster import run_scenario
 from hkvsim.scenario import load_scenarios
-from release_expect import assert_push_refused_by_034, completed_as_released, push_refused_by_034
+from release_expect import (
+    PUSH_GEOMETRY_REFUSED,
+    assert_push_refused_by_034,
+    completed_as_released,
+    push_refused,
+)
 
 VLLM = Path(__file__).resolve().parents[2] / "scenarios" / "vllm"
 
@@ -60,7 +65,7 @@ def test_tiny_qwen3_next_hnd_push_tp_matrix(vllm_required: str) -> None:
     refused = 0
     for s in _matrix("push-tp-matrix-tiny-qwen3-next.toml", "push", (1, 2, 4), orders=2):
         result = run_scenario(s)
-        if vllm_required == "0.34.0" and push_refused_by_034(s):
+        if push_refused(s, vllm_required):
             assert_push_refused_by_034(result, s.scenario.name)
             refused += 1
             continue
@@ -71,7 +76,7 @@ def test_tiny_qwen3_next_hnd_push_tp_matrix(vllm_required: str) -> None:
         assert all(r.status == "ok" and r.mismatched_words > 0 for r in result.records)
         assert _byte_exact(run_scenario(with_implementation(s, "hkvsim"))), s.scenario.name
     # 8 of the 18, the four corrupting pairs (P TP 1 or 2 -> D TP 4, two orders) among them
-    assert refused == (8 if vllm_required == "0.34.0" else 0)
+    assert refused == (8 if vllm_required in PUSH_GEOMETRY_REFUSED else 0)
 
 
 @pytest.mark.timeout(300)

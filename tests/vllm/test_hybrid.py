@@ -13,9 +13,10 @@ from hkvsim.scenario import load_scenarios
 from release_expect import (
     ASSERTS_BEFORE_49762,
     RELEASES,
+    PUSH_GEOMETRY_REFUSED,
     assert_push_refused_by_034,
     completed_as_released,
-    push_refused_by_034,
+    push_refused,
     without_unreported_push,
 )
 
@@ -115,11 +116,11 @@ def _check_per_release(scenarios, vllm_required: str, *, fails_026=lambda p, d: 
         assert result.implementation == {"name": "vllm", "version": vllm_required}
         if vllm_required not in RELEASES:
             pytest.fail(f"no expectation recorded for vLLM {vllm_required} (add it here)")
-        if vllm_required == "0.34.0":
+        if vllm_required in PUSH_GEOMETRY_REFUSED:
             # push between engines of different block geometry (a hybrid's logical block
             # follows its TP) is refused at the handshake; every other pair is byte-exact,
             # and moves what hkvsim's core moves with transfer_extent "needed"
-            if s.connector.mode == "push" and push_refused_by_034(s):
+            if push_refused(s, vllm_required):
                 assert_push_refused_by_034(result, name)
             else:
                 assert _byte_exact(result), (name, result.outcome)
@@ -244,7 +245,7 @@ def test_a_misrouted_push_write_is_caught_by_the_oracle(vllm_required: str,
     # 0.34.0 refuses KimiLinear push across TPs (different kernel blocks per logical block):
     # the same requests between equal TPs there
     path, tps = ((VLLM / "push-tp-matrix-tiny-kimi-linear.toml", (2, 2))
-                 if vllm_required == "0.34.0"
+                 if vllm_required in PUSH_GEOMETRY_REFUSED
                  else (VLLM / "pr49762-kimi-linear-push.toml", (2, 1)))
     s = next(s for s in load_scenarios(path) if (s.prefill.tp, s.decode.tp) == tps)
     assert tuple(s.workload.prompt_tokens) == (700, 1500, 300)
@@ -274,8 +275,8 @@ def test_gqa_push_to_decode_tp_over_kv_heads_corrupts_under_vllm(vllm_required: 
     for s in hetero:
         result = run_scenario(s)
         assert result.implementation == {"name": "vllm", "version": vllm_required}
-        if vllm_required == "0.34.0":
-            assert push_refused_by_034(s), s.scenario.name
+        if vllm_required in PUSH_GEOMETRY_REFUSED:
+            assert push_refused(s, vllm_required), s.scenario.name
             assert_push_refused_by_034(result, s.scenario.name)
         else:
             assert result.outcome == "corruption", (s.scenario.name, result.outcome)

@@ -20,7 +20,7 @@ from release_expect import (
     RELEASES,
     assert_push_refused_by_034,
     completed_as_released,
-    push_refused_by_034,
+    push_refused,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,8 +76,7 @@ def _byte_exact(result) -> bool:
 def _check(result, scenario, version: str, *, fails_026: bool, assert_026: str) -> None:
     assert result.implementation == {"name": "vllm", "version": version}
     assert result.leaks["after_shutdown"] == 0 and result.leaks["open_handles"] == 0
-    if version == "0.34.0" and scenario.connector.mode == "push" and push_refused_by_034(
-            scenario):  # refused at the handshake, in the real rank processes too
+    if push_refused(scenario, version):  # refused at the handshake, in the rank processes too
         assert_push_refused_by_034(result, scenario.scenario.name)
     elif version in RELEASES and not (version in ASSERTS_BEFORE_49762 and fails_026):
         assert _byte_exact(result), (result.outcome, [(r.status, r.reason)

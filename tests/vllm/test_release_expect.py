@@ -17,6 +17,7 @@ from release_expect import (
     MLA_BSR_DAMAGE,
     PEER_DEATH_ASSERT,
     PUSH_FAILURE_UNREPORTED,
+    PUSH_GEOMETRY_REFUSED,
     PUSH_POST_FAILURE_UNREPORTED,
     PUSH_PREFIX_HEAD_TRIM,
     PUSH_SENT_UNREPORTED,
@@ -42,6 +43,11 @@ RECORDED = {
                                       if where},
     "pull-peer-death-assert-0.29": {v for v, where in PEER_DEATH_ASSERT.items() if where},
     "push-partial-prefix-hit-0.26": set(PUSH_PREFIX_HEAD_TRIM),
+    # 0.34.0 refuses every push between engines of different block geometry; before it, a block
+    # size ratio was refused at the reverse handshake and GQA above the KV heads corrupted
+    "push-block-geometry-refused-0.34": set(PUSH_GEOMETRY_REFUSED),
+    "push-block-size-ratio-refused": set(RELEASES) - PUSH_GEOMETRY_REFUSED,
+    "gqa-push-replicated-decode-heads": set(RELEASES) - PUSH_GEOMETRY_REFUSED,
     "pr49762-hybrid-mla-pull-assert": set(ASSERTS_BEFORE_49762),
     "pr49762-hybrid-mla-push-assert": set(ASSERTS_BEFORE_49762),
 }

@@ -22,13 +22,14 @@ from release_expect import (
     PEER_DEATH_ASSERT,
     PUSH_FAILURE_UNREPORTED,
     PUSH_GEOMETRY_034,
+    PUSH_GEOMETRY_REFUSED,
     PUSH_POST_FAILURE_UNREPORTED,
     RELEASES,
     SECOND_READ_CHECK_ASSERT,
     assert_push_refused_by_034,
     completed_as_released,
     completed_outcome,
-    push_refused_by_034,
+    push_refused,
     push_sent_unreported,
     releases,
     without_unreported_push,
@@ -233,7 +234,7 @@ def test_hybrid_prefix_caching_with_different_ppl_is_refused_by_both(vllm_requir
         core = run_scenario(with_implementation(s, "hkvsim"))
         vllm = run_scenario(s)
         assert core.handshake_errors and "V4: " in core.handshake_errors[0]
-        why = (PUSH_GEOMETRY_034 if vllm_required == "0.34.0" and s.connector.mode == "push"
+        why = (PUSH_GEOMETRY_034 if push_refused(s, vllm_required)
                else "heterogeneous physical_blocks_per_logical")
         assert vllm.handshake_errors and why in vllm.handshake_errors[0], vllm.handshake_errors
         assert vllm.corrupted == 0 and vllm.completed == 0
@@ -508,7 +509,7 @@ def test_a_failed_write_fails_its_push_request(vllm_required: str) -> None:
         core = run_scenario(with_implementation(s, "hkvsim"))
         assert [r.status for r in core.records] == ["ok", "failed", "ok"], name
         vllm = run_scenario(s)
-        if vllm_required == "0.34.0" and push_refused_by_034(s):
+        if push_refused(s, vllm_required):
             assert_push_refused_by_034(vllm, name)
             continue
         assert vllm.hung == 0 and vllm.mismatched_bytes == 0, name
@@ -614,7 +615,7 @@ def test_push_with_a_block_size_ratio_is_refused_by_vllm(vllm_required: str) -> 
         vllm = run_scenario(s)
         assert vllm.outcome == "handshake-error" and vllm.corrupted == 0
         (error,) = vllm.handshake_errors
-        if vllm_required == "0.34.0":
+        if vllm_required in PUSH_GEOMETRY_REFUSED:
             assert PUSH_GEOMETRY_034 in error and "local (16, 1), remote engine" in error, error
         else:
             assert "utils.py:" in error and "not divisible by remote block size 32" in error
@@ -715,7 +716,7 @@ def test_kill_rank_fails_the_same_requests_as_hkvsims_core(vllm_required: str) -
                 and s.connector.mode == "push":  # its #49762 push assert fires first
             assert all(r.failure_class == "vllm_failure" for r in vllm.records)
             continue
-        if vllm_required == "0.34.0" and push_refused_by_034(s):
+        if push_refused(s, vllm_required):
             assert_push_refused_by_034(vllm, s.scenario.name)
             continue
         found = without_unreported_push(vllm, found)
