@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .implementations.vllm.engine import releases_between as _releases
+
 __all__ = ["Facts", "KnownFinding", "KNOWN", "facts", "explain"]
 
 
@@ -138,15 +140,6 @@ class KnownFinding:
 
 def _any(*outcomes: str) -> frozenset[str]:
     return frozenset(outcomes)
-
-
-def _releases(first: str, last: str | None = None) -> frozenset[str]:
-    """The vLLM releases the harness drives from ``first`` to ``last`` (default: the newest),
-    both included."""
-    from .implementations.vllm.engine import SUPPORTED_VERSIONS
-
-    end = SUPPORTED_VERSIONS.index(last) + 1 if last else len(SUPPORTED_VERSIONS)
-    return frozenset(SUPPORTED_VERSIONS[SUPPORTED_VERSIONS.index(first):end])
 
 
 KNOWN: tuple[KnownFinding, ...] = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hkvsim.implementations.vllm.engine import releases_between as releases  # the driven ones
 
 # vLLM 0.34.0's push handshake refuses engines whose kernel block size or kernel blocks per
 # logical block differ (push_worker.py: "NixlPushConnector requires identical P/D block
@@ -10,26 +11,18 @@ PUSH_GEOMETRY_034 = "push_worker.py:149: NotImplementedError: NixlPushConnector 
                     "identical P/D block sizes"
 
 
-def block_geometry_differs(scenario) -> bool:
-    """Kernel block or kernel blocks per logical block differ between the two sides (a
-    hybrid's logical block follows its state page, which shrinks with TP)."""
-    from hkvsim.fuzz_known import facts
-
-    return facts(scenario).block_geometry_differs
-
-
-def push_refused_by_034(scenario) -> bool:
-    """A push between engines of different block geometry: what 0.34.0's handshake refuses."""
-    return scenario.connector.mode == "push" and block_geometry_differs(scenario)
-
-
 # the releases whose push handshake refuses engines of different block geometry
 PUSH_GEOMETRY_REFUSED = frozenset({"0.34.0"})
 
 
 def push_refused(scenario, version: str) -> bool:
-    """Does ``version``'s push handshake refuse ``scenario`` for its block geometry?"""
-    return version in PUSH_GEOMETRY_REFUSED and push_refused_by_034(scenario)
+    """Does ``version``'s push handshake refuse ``scenario`` for its block geometry (kernel
+    block or kernel blocks per logical block differ between the two sides: a hybrid's logical
+    block follows its state page, which shrinks with TP)?"""
+    from hkvsim.fuzz_known import facts
+
+    return (version in PUSH_GEOMETRY_REFUSED and scenario.connector.mode == "push"
+            and facts(scenario).block_geometry_differs)
 
 
 def assert_push_refused_by_034(result, name: str) -> None:
@@ -44,16 +37,12 @@ def assert_push_refused_by_034(result, name: str) -> None:
     assert result.corrupted == 0 and result.leaks["after_shutdown"] == 0, name
 
 
-# Every release the harness drives, oldest first (its SUPPORTED_VERSIONS); each was run through
-# these tests (scripts/vllm-releases, reports/vllm-releases/; CI runs 0.26.0, 0.27.0, 0.33.0 and
-# 0.34.0).
+# Every release the harness drives, oldest first: the tests' own record, which
+# test_release_expect holds equal to SUPPORTED_VERSIONS (over which `releases(first, last)`
+# ranges); each was run through these tests (scripts/vllm-releases, reports/vllm-releases/; CI
+# runs 0.26.0, 0.27.0, 0.33.0 and 0.34.0).
 RELEASES = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
             "0.34.0")
-
-
-def releases(first: str, last: str = RELEASES[-1]) -> frozenset[str]:
-    """The releases from ``first`` to ``last``, both included."""
-    return frozenset(RELEASES[RELEASES.index(first):RELEASES.index(last) + 1])
 
 
 # Releases that share a behaviour where the releases part ways (docs/vllm.md, "Release by

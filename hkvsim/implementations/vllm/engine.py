@@ -46,15 +46,16 @@ from ...geometry.specs import GeometryError, MLAAttentionSpec, ModelSpec
 from ...transport.base import Memory
 from .agent import TransportNixlAgent
 
-__all__ = ["VllmUnavailable", "VllmFailure", "SUPPORTED_VERSIONS", "load_vllm", "vllm_version",
+__all__ = ["VllmUnavailable", "VllmFailure", "SUPPORTED_VERSIONS", "releases_between",
+           "load_vllm", "vllm_version",
            "release_transfer_extent",
            "VllmRank", "VllmHarness", "unsupported"]
 
 log = logging.getLogger("hkvsim.vllm")
 
+# the versions this harness drives, oldest first
 SUPPORTED_VERSIONS = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
                       "0.33.0", "0.34.0")
-RUNNABLE_VERSIONS = SUPPORTED_VERSIONS  # the versions this harness drives
 PROVISION_HINT = "scripts/with-vllm 0.34.0 hkvsim run FILE"
 _CONV_LAYOUT = "VLLM_SSM_CONV_STATE_LAYOUT"  # vLLM's SSM conv state layout: hkvsim's is "DS"
 # Releases whose model runner hands a GQA cache over as (blocks, tokens, heads, K|V) whatever
@@ -154,14 +155,21 @@ def vllm_version() -> str | None:
         return None
 
 
+def releases_between(first: str, last: str = SUPPORTED_VERSIONS[-1]) -> frozenset[str]:
+    """The driven releases from ``first`` to ``last``, both included (ValueError for a release
+    not driven)."""
+    return frozenset(SUPPORTED_VERSIONS[SUPPORTED_VERSIONS.index(first):
+                                        SUPPORTED_VERSIONS.index(last) + 1])
+
+
 def _not_driven(version: str) -> str:
     return (f"vLLM {version} is not driven by this harness yet (runnable: "
-            f"{', '.join(RUNNABLE_VERSIONS)})")
+            f"{', '.join(SUPPORTED_VERSIONS)})")
 
 
 def unsupported(model: ModelSpec, mode: str, version: str) -> str | None:
     """Why this harness cannot run ``model`` in ``mode`` on ``version`` yet, or None."""
-    if version not in RUNNABLE_VERSIONS:
+    if version not in SUPPORTED_VERSIONS:
         return _not_driven(version)
     if mode not in ("pull", "push"):
         return f"mode {mode!r} is not driven with implementation 'vllm' (allowed: pull, push)"
@@ -454,7 +462,7 @@ class VllmHarness:
 
     def __init__(self, now: Callable[[], float]) -> None:
         self.version = load_vllm()
-        if self.version not in RUNNABLE_VERSIONS:
+        if self.version not in SUPPORTED_VERSIONS:
             raise VllmUnavailable(f"vLLM {self.version} is importable, but "
                                   f"{_not_driven(self.version)}")
         # how the release names cache layouts and orders a GQA cache's dims (read from vLLM)
