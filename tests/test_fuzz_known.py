@@ -382,3 +382,34 @@ def test_a_release_the_harness_does_not_drive_is_refused_naming_why() -> None:
     script = (Path(__file__).resolve().parent.parent / "scripts" / "with-vllm").read_text()
     (line,) = [x for x in script.splitlines() if x.startswith("supported=")]
     assert tuple(line.split("=", 1)[1].strip('"').split()) == SUPPORTED_VERSIONS
+
+
+def test_vllms_outcome_is_checked_as_each_entry_says_with_and_without_faults() -> None:
+    # push-sent-unreported-0.30 checks vLLM's outcome under faults too: a hang is not it
+    counted = dataclasses.replace(_diff(("nbytes", "outcome"), outcomes=("ok", "hang")),
+                                  vllm_moved_less=True)
+    faulted = _facts(mode="push", faults=frozenset({("drop-notification", None)}))
+    assert explain(counted, faulted, "0.30.0") is None
+    assert explain(dataclasses.replace(counted, outcomes=("ok", "lease-expired")), faulted,
+                   "0.30.0") == "push-sent-unreported-0.30"
+    # 0.26.0's hybrid MLA pull assert checks it only without faults (faults may make it another)
+    kimi = _facts(is_mla=True, is_hybrid=True, kv_heads=None, prefill_tp=4, decode_tp=2)
+    other = _diff(("outcome", "transfers"), outcomes=("ok", "lease-expired"))
+    assert explain(other, kimi, "0.26.0") is None
+    assert explain(dataclasses.replace(other, outcomes=("ok", "request-failure")), kimi,
+                   "0.26.0") == "pr49762-hybrid-mla-pull-assert"
+    dropped = dataclasses.replace(kimi, faults=frozenset({("drop-notification", None)}))
+    assert explain(other, dropped, "0.26.0") == "pr49762-hybrid-mla-pull-assert"
+
+
+def test_0_26_leaks_a_local_list_only_in_a_pull_from_smaller_blocks_over_several_lists() -> None:
+    leak = Finding("leak", "vllm", "left behind", "vllm: leak: after_shutdown | m pull")
+    ratio = _facts(decode_block=32, prefill_tp=2, decode_tp=1)
+    assert explain(leak, ratio, "0.26.0") == "block-size-ratio-local-list-leak-0.26"
+    assert explain(leak, dataclasses.replace(ratio, prefill_tp=1, prefill_instances=2),
+                   "0.26.0") == "block-size-ratio-local-list-leak-0.26"
+    assert explain(leak, ratio, "0.27.0") is None
+    for other in (dataclasses.replace(ratio, mode="push", decode_block=16),  # push
+                  dataclasses.replace(ratio, decode_block=16),  # equal blocks
+                  dataclasses.replace(ratio, prefill_tp=1)):  # one remote list
+        assert explain(leak, other, "0.26.0") is None, other

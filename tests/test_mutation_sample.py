@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -129,3 +130,35 @@ def test_an_interpreter_without_the_test_extras_is_named_before_any_copy(tmp_pat
     assert "pip install -e '.[test,report]'" in why
     venv = ROOT / ".venv" / "bin" / "python"
     assert script.interpreter_for_tests() == (str(venv) if venv.is_file() else sys.executable)
+
+
+@pytest.mark.timeout(240)
+def test_the_tests_run_with_the_interpreter_named_by_python(tmp_path: Path) -> None:
+    # --python picks the interpreter of every test run (tests/vllm needs a scripts/with-vllm
+    # environment): a wrapper that logs its arguments, then runs this interpreter, sees the
+    # extras probe, the unchanged run and the mutant's run (a relative path is taken from where
+    # the script is run, not from the copies); a path that is not an interpreter is refused
+    log = tmp_path / "calls.log"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    script = _script()
+    source = (ROOT / "hkvsim/connector/tp.py").read_text()
+    labels = [script.describe(source, kind, node)
+              for kind, node in script.mutation_sites(ast.parse(source))]
+    bug = next(i for i, label in enumerate(labels) if label.endswith("operator: tp_rank * -r + i"))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "hkvsim/connector/tp.py", "--sites", str(bug),
+         "--tests", "tests/connector/test_tp.py", "--python", os.path.relpath(wrapper, ROOT)],
+        cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "hkvsim/connector/tp.py: 1 of 1 killed" in done.stdout
+    calls = log.read_text().splitlines()
+    assert sum("import pytest, xdist, pytest_timeout" in c for c in calls) == 1, calls
+    assert sum(c.startswith("-m pytest") and "tests/connector/test_tp.py" in c
+               for c in calls) == 2, calls
+    done = subprocess.run([sys.executable, str(SCRIPT), "hkvsim/connector/tp.py", "--sites",
+                           "1", "--python", str(tmp_path / "nowhere")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--python" in done.stderr
+    assert "no such interpreter" in done.stderr

@@ -48,6 +48,7 @@ def test_strided_read_moves_the_named_bytes_and_notifies():
                               mem_type="DRAM")
     remote = a.prep_xfer_dlist("t-b", np.array([[hb + 8192, 256, 0, 1024, 4]]), mem_type="DRAM")
     x = a.make_prepped_xfer("READ", local, [0, 2], remote, [1, 3], notif_msg="req-7")
+    env.run(until=0.25)  # posted a quarter second in: telemetry's start is in microseconds
     assert a.transfer(x) == "PROC"
     env.run()
     assert a.check_xfer_state(x) == "DONE"
@@ -58,6 +59,7 @@ def test_strided_read_moves_the_named_bytes_and_notifies():
     assert b.get_new_notifs() == {"t-a": [b"req-7"]}
     tel = a.get_xfer_telemetry(x)
     assert (tel.totalBytes, tel.descCount) == (512, 2) and tel.postDuration > 0
+    assert tel.startTime == 250_000 and tel.xferDuration > 0
     a.release_xfer_handle(x)
     with pytest.raises(NixlAgentError, match="released"):
         a.check_xfer_state(x)
@@ -68,6 +70,10 @@ def test_descriptors_outside_registered_memory_are_refused():
     a.add_remote_agent(b.get_agent_metadata())
     with pytest.raises(NixlAgentError, match="not inside memory remote agent t-b registered"):
         a.prep_xfer_dlist("t-b", np.array([[host_address(mb) + N - 8, 16, 0]]))
+    with pytest.raises(NixlAgentError, match="descriptor 1 .* not inside memory remote agent"):
+        # below the peer's only memory: no memory starts at or before it
+        a.prep_xfer_dlist("t-b", np.array([[host_address(mb), 8, 0],
+                                           [host_address(mb) - 64, 16, 0]]))
     with pytest.raises(NixlAgentError, match="not inside memory this agent can register"):
         a.register_memory(a.get_reg_descs([(host_address(ma) + N, 8, 0, "")], "DRAM"))
     with pytest.raises(NixlAgentError, match="unknown remote agent 'nobody'"):
@@ -186,3 +192,60 @@ def test_a_state_check_that_raises_is_remembered_as_a_transfer_exception(monkeyp
     monkeypatch.setattr(a.transport, "make_prepped_xfer", lambda *args: x)
     a.make_prepped_xfer("READ", local, [0], remote, [0])
     assert a.poll_failure(x) is None
+
+
+def test_descriptor_rows_keep_an_empty_list_empty_and_refuse_a_negative_field() -> None:
+    # vLLM hands the agent lists of tuples, arrays or (addr, len, dev, name) rows: an empty
+    # list is zero rows (not one row at address 0), and a negative field in a signed array is
+    # refused rather than wrapped to a huge unsigned address
+    from hkvsim.implementations.vllm.agent import _rows
+
+    for empty in ([], (), np.zeros((0, 3), np.int64)):
+        rows = _rows(empty, what="x")
+        assert rows.shape == (0, 3) and rows.dtype == np.uint64
+    rows = _rows([(4096, 256, 0, "name"), (8192, 128, 1, "")], what="x")
+    assert rows.tolist() == [[4096, 256, 0], [8192, 128, 1]] and rows.dtype == np.uint64
+    for negative in (np.array([[4096, -1, 0]], np.int64), [(-4096, 256, 0)]):
+        with pytest.raises(NixlAgentError, match="x: a descriptor has a negative field"):
+            _rows(negative, what="x")
+    with pytest.raises(NixlAgentError, match=r"must be \(N, 3\)"):
+        _rows(np.array([[1.5, 2.0, 0.0]]), what="x")
+
+
+def test_memory_registered_as_another_type_than_it_was_allocated_is_refused():
+    # vLLM names the memory type of what it registers: DRAM memory registered as VRAM would
+    # have the transport move bytes as the wrong kind, so the agent refuses it
+    env = simpy.Environment()
+    profile = load_profile("cpu-ucx-loopback")
+    fabric = Fabric(env, profile, place_engines(profile, [("a", "prefill", 1)]))
+    transport = SimWorld(env, fabric).create_agent("t-a", ("a", 0))
+    memory = transport.allocate(N, mem_type="DRAM")
+    agent = TransportNixlAgent(transport, [memory])
+    descs = [(host_address(memory), N, 0, "")]
+    with pytest.raises(NixlAgentError, match="memory type VRAM but the memory was allocated as "
+                                             "DRAM"):
+        agent.register_memory(agent.get_reg_descs(descs, "VRAM"))
+    agent.register_memory(agent.get_reg_descs(descs, "DRAM"))  # its own type: registered
+    agent.deregister_memory(descs)
+
+
+def test_agent_metadata_over_two_mib_is_refused_before_it_is_decoded():
+    env, a, b, ma, mb = _pair()
+    with pytest.raises(NixlAgentError, match="undecodable"):  # at the cap: decoded (and bad)
+        a.add_remote_agent(b"\xc1" * (1 << 21))
+    with pytest.raises(NixlAgentError, match="at most 2097152 B") as err:
+        a.add_remote_agent(b"\xc1" * ((1 << 21) + 1))
+    assert err.value.kind == "handshake_failed"
+
+
+def test_memory_registered_twice_stays_registered_until_its_last_deregistration():
+    # vLLM may register one tensor's memory under several descriptors: the transport keeps it
+    # until the last of them is deregistered
+    env, a, b, ma, mb = _pair()
+    memories = a.transport.world.agent("t-a").memories
+    descs = [(host_address(ma), N, 0, "")]
+    a.register_memory(a.get_reg_descs(descs, "DRAM"))  # a second time
+    a.deregister_memory(descs)
+    assert ma in memories
+    a.deregister_memory(descs)
+    assert ma not in memories

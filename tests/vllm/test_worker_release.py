@@ -1,6 +1,7 @@
 """When the vLLM harness tells hkvsim's coordinator that a push request's transfers can no longer
-write into decode's blocks (VllmConnectorWorker.take_released). Runs in the ordinary suite: the
-worker's bookkeeping over a stand-in agent, no vLLM needed."""
+write into decode's blocks (VllmConnectorWorker.take_released), and which engines a rank is
+connected to. Runs in the ordinary suite: the worker's bookkeeping over a stand-in agent, no vLLM
+needed."""
 
 from __future__ import annotations
 
@@ -62,3 +63,38 @@ def test_a_request_that_ended_with_live_transfers_is_released_when_vllm_releases
     worker.vllm.agent.live = set()
     assert worker.take_released() == ["z"]
     assert worker.pending_releases() == 0
+
+
+def test_a_fresh_rank_is_connected_to_no_one_and_counts_no_failed_notification() -> None:
+    # is_connected is what the coordinator asks before it runs vLLM's handshake: only an
+    # engine vLLM's worker holds as a remote agent is connected (and none before registration)
+    from hkvsim.connector.worker import ConnectorSettings
+
+    worker = VllmConnectorWorker(harness=None, engine_id="d0", role="decode", tp_rank=0,
+                                 layout=SimpleNamespace(model=None), transport=None,
+                                 settings=ConnectorSettings(mode="pull"))
+    assert not worker.is_connected("p0")  # no vLLM rank yet
+    # vLLM's worker handles its own notifications' failures: the harness reports none of them
+    assert worker.notification_failures == 0 and worker.in_flight() == 0
+    worker.vllm = SimpleNamespace(worker=SimpleNamespace(_remote_agents={"p0": {0: "agent"}}))
+    assert worker.is_connected("p0") and not worker.is_connected("p1")
+
+
+def test_only_a_pull_prefill_rank_gates_its_notifications_behind_take_messages() -> None:
+    # a pull prefill rank hands vLLM a notification only once take_messages has registered its
+    # request with vLLM; decode ranks and push ranks read theirs as they come
+    from hkvsim.connector.worker import ConnectorSettings
+
+    def registered(role: str, mode: str) -> bool:
+        agent = SimpleNamespace(gate_notifs=False)
+        harness = SimpleNamespace(add_rank=lambda *args: SimpleNamespace(agent=agent))
+        transport = SimpleNamespace(allocate=lambda nbytes, mem_type, device_id: "memory")
+        worker = VllmConnectorWorker(harness=harness, engine_id="e0", role=role, tp_rank=0,
+                                     layout=SimpleNamespace(model=None, total_bytes=4096),
+                                     transport=transport, settings=ConnectorSettings(mode=mode))
+        assert worker.register() == "memory"
+        return agent.gate_notifs
+
+    assert registered("prefill", "pull")
+    assert not registered("decode", "pull")
+    assert not registered("prefill", "push") and not registered("decode", "push")

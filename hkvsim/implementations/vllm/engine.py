@@ -541,10 +541,10 @@ class VllmHarness:
                                                                  is_encoder_decoder=False,
                                                                  max_num_batched_tokens=1 << 14),
                                 device_config=DeviceConfig("cpu"))
-        if conv_layout is not None and os.environ.get(_CONV_LAYOUT) != conv_layout:
+        if conv_layout is not None:
             # vLLM 0.28.0 to 0.30.0's CPU platform sets SD conv state on an AVX-512 BF16 CPU
             # for its own kernels, over the DS layout that the GPU engine this stands for uses
-            # (vLLM's NIXL connector asserts it; hkvsim's state pages are DS)
+            # (vLLM's NIXL connector asserts it; hkvsim's state pages are DS): put it back
             os.environ[_CONV_LAYOUT] = conv_layout
         # vLLM's CPU platform rewrites the block size for its own attention backend; the engine
         # this stands for runs the GPU backend the layout names
