@@ -12,8 +12,8 @@ from hkvsim.scenario import load_scenarios
 
 from release_expect import (
     ASSERTS_BEFORE_49762,
-    RELEASES,
     PUSH_GEOMETRY_REFUSED,
+    RELEASES,
     assert_push_refused_by_034,
     completed_as_released,
     push_refused,

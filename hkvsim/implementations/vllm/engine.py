@@ -47,9 +47,8 @@ from ...transport.base import Memory
 from .agent import TransportNixlAgent
 
 __all__ = ["VllmUnavailable", "VllmFailure", "SUPPORTED_VERSIONS", "releases_between",
-           "load_vllm", "vllm_version",
-           "release_transfer_extent",
-           "VllmRank", "VllmHarness", "unsupported"]
+           "load_vllm", "vllm_version", "release_transfer_extent", "VllmRank", "VllmHarness",
+           "unsupported"]
 
 log = logging.getLogger("hkvsim.vllm")
 
